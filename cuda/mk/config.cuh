@@ -1,0 +1,70 @@
+// Megakernel configuration and the device-side view of one step (Params).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+#include "northmk.h"
+
+namespace nmk::mk {
+
+using bf16 = __nv_bfloat16;
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kHeadDim = 128;        // attention kernels hold head_dim / 32 values per lane
+constexpr int kMaxGroup = 8;         // query heads per kv head
+constexpr int kMaxTopK = 8;
+constexpr int kPage = 64;           // tokens per KV page (config.PAGE_SIZE)
+constexpr int kSmemBytes = 96 * 1024;
+static_assert(kHeadDim % 32 == 0 && kThreads % 32 == 0, "warp-sized tiles");
+static_assert(kWarps * kMaxGroup * (kHeadDim + 2) * 4 <= kSmemBytes, "attention merge fits");
+static_assert(NMK_MK_MAX_BATCH * 4096 * 2 <= kSmemBytes, "o-proj input (B x Q bf16) fits");
+
+struct Layer {
+    const bf16 *norm, *qkv, *o, *gate_up, *down, *router, *experts_gate_up, *experts_down;
+    bf16 *kv;                  // this layer's slot of its group's pages: add page * page_stride
+    int64_t page_stride;       // elements per page of the group
+    int32_t group;
+    uint8_t dense, sliding, rope;
+};
+
+struct Params {
+    // geometry
+    int hidden, num_layers, num_heads, num_kv_heads, num_experts, top_k, moe_inter, dense_inter, vocab;
+    int sliding_window;
+    float rope_theta, norm_eps, logit_scale;
+    nmk_plan plan;
+    // weights
+    const Layer *layers;
+    const bf16 *embed, *final_norm;
+    // step inputs and outputs
+    const int32_t *tokens, *positions;
+    const int32_t *tables[NMK_KV_MAX_GROUPS];
+    int table_cols;
+    float *logits;
+    int32_t *next_tokens;
+    // scratch (B = NMK_MK_MAX_BATCH rows each)
+    float *x;          // [B, H] residual stream
+    bf16 *h;           // [B, H] normed
+    float *q;          // [B, Q] rotated queries
+    float *part;       // [B, kv_heads, MAX_SPLITS, group, head_dim + 2]: acc, max, sum
+    bf16 *attn;        // [B, Q]
+    float *o;          // [B, H]
+    int32_t *slot_expert;  // [slots] expert of each mlp slot, -1 unused
+    int32_t *slot_k;       // [slots, B] which of the row's top-k picked this slot, -1 none
+    float *topk_weight;    // [B, top_k]
+    bf16 *act;             // [slots, B, max(I, D)]
+    float *mlp;            // [B, top_k, H] expert outputs (dense: k = 0)
+    float *lm_best;        // [B, lm_tiles]
+    int32_t *lm_best_index;
+    // schedule
+    const nmk_task *tasks;
+    const uint32_t *sm_offsets;
+    uint32_t *counters;    // [num_counters + 1]: the last one counts finished CTAs
+    // debug capture (nmk_mk_set_debug), null when off
+    float *debug;              // [num_layers + 1, NMK_MK_DEBUG_STAGES, B, H]
+    int32_t *debug_experts;    // [num_layers, B, top_k]
+};
+
+}  // namespace nmk::mk

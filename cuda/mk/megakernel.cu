@@ -1,0 +1,258 @@
+// C ABI of the megakernel (nmk_mk_*): binds weights, owns the step's scratch, caches one
+// schedule per (batch, context bucket) and launches one persistent kernel per step.
+#include <cuda_runtime.h>
+
+#include <map>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "internal.hpp"
+#include "mk/vm.cuh"
+#include "schedule/schedule.hpp"
+
+using nmk::mk::bf16;
+
+namespace {
+
+void cuda_check(cudaError_t e, const char *what) {
+    if (e != cudaSuccess) throw nmk::Error(NMK_ERR_CUDA, std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+template <class T>
+T *device_alloc(size_t count, std::vector<void *> &owned) {
+    void *p = nullptr;
+    cuda_check(cudaMalloc(&p, count * sizeof(T)), "cudaMalloc");
+    owned.push_back(p);
+    return static_cast<T *>(p);
+}
+
+struct DeviceSchedule {
+    nmk_plan plan;
+    nmk_task *tasks;
+    uint32_t *sm_offsets;
+    uint32_t *counters;
+};
+
+// Attention splits are sized for this many keys; a step may see fewer.
+int context_bucket(int len) {
+    int b = 64;
+    while (b < len) b *= 2;
+    return b;
+}
+
+}  // namespace
+
+struct nmk_mk {
+    nmk::schedule::Geometry geometry;
+    nmk::mk::Params params{};  // weights and scratch; per-step fields filled by step()
+    int num_sms = 0;
+    int num_groups = 0;  // KV page groups the layers use
+    std::vector<void *> owned;
+    std::map<std::pair<int, int>, DeviceSchedule> schedules;
+
+    ~nmk_mk() {
+        for (void *p : owned) cudaFree(p);
+    }
+
+    const DeviceSchedule &schedule_for(int batch, int max_len) {
+        auto key = std::make_pair(batch, context_bucket(max_len));
+        auto it = schedules.find(key);
+        if (it != schedules.end()) return it->second;
+        nmk::schedule::Schedule s =
+            nmk::schedule::build(geometry, num_sms, std::vector<int>(batch, key.second));
+        nmk::schedule::check(geometry, s.plan, s.per_sm);
+        std::vector<nmk_task> tasks;
+        std::vector<uint32_t> offsets{0};
+        for (const auto &list : s.per_sm) {
+            tasks.insert(tasks.end(), list.begin(), list.end());
+            offsets.push_back(static_cast<uint32_t>(tasks.size()));
+        }
+        DeviceSchedule d{s.plan, device_alloc<nmk_task>(tasks.size(), owned),
+                         device_alloc<uint32_t>(offsets.size(), owned),
+                         device_alloc<uint32_t>(s.plan.num_counters + 1, owned)};
+        cuda_check(cudaMemcpy(d.tasks, tasks.data(), tasks.size() * sizeof(nmk_task), cudaMemcpyHostToDevice), "copy tasks");
+        cuda_check(cudaMemcpy(d.sm_offsets, offsets.data(), offsets.size() * sizeof(uint32_t), cudaMemcpyHostToDevice),
+                   "copy offsets");
+        cuda_check(cudaMemset(d.counters, 0, (s.plan.num_counters + 1) * sizeof(uint32_t)), "zero counters");
+        return schedules.emplace(key, d).first->second;
+    }
+};
+
+namespace {
+
+void bind_layers(nmk_mk &mk, const nmk_mk_geometry &g, const nmk_mk_weights &w) {
+    std::vector<nmk::mk::Layer> layers(g.num_layers);
+    std::vector<int> per_group(NMK_KV_MAX_GROUPS, 0);
+    for (int l = 0; l < g.num_layers; l++) {
+        const nmk_mk_layer &s = w.layers[l];
+        if (s.kv_group < 0 || s.kv_group >= NMK_KV_MAX_GROUPS || !w.kv_pages[s.kv_group])
+            throw nmk::Error(NMK_ERR_INVALID_ARGUMENT, "layer " + std::to_string(l) + ": bad kv_group or no pages");
+        per_group[s.kv_group] = std::max(per_group[s.kv_group], s.kv_slot + 1);
+        mk.num_groups = std::max(mk.num_groups, s.kv_group + 1);
+        bool dense = g.dense[l];
+        if (!s.norm || !s.qkv || !s.o || (dense && (!s.gate_up || !s.down)) ||
+            (!dense && (!s.router || !s.experts_gate_up || !s.experts_down)))
+            throw nmk::Error(NMK_ERR_INVALID_ARGUMENT, "layer " + std::to_string(l) + ": missing weight pointer");
+    }
+    const int64_t tile = (int64_t)2 * g.num_kv_heads * nmk::mk::kPage * g.head_dim;  // one layer of a page
+    for (int l = 0; l < g.num_layers; l++) {
+        const nmk_mk_layer &s = w.layers[l];
+        nmk::mk::Layer &d = layers[l];
+        d.norm = static_cast<const bf16 *>(s.norm);
+        d.qkv = static_cast<const bf16 *>(s.qkv);
+        d.o = static_cast<const bf16 *>(s.o);
+        d.gate_up = static_cast<const bf16 *>(s.gate_up);
+        d.down = static_cast<const bf16 *>(s.down);
+        d.router = static_cast<const bf16 *>(s.router);
+        d.experts_gate_up = static_cast<const bf16 *>(s.experts_gate_up);
+        d.experts_down = static_cast<const bf16 *>(s.experts_down);
+        d.page_stride = tile * per_group[s.kv_group];
+        d.kv = static_cast<bf16 *>(w.kv_pages[s.kv_group]) + tile * s.kv_slot;
+        d.group = s.kv_group;
+        d.dense = g.dense[l] != 0, d.sliding = g.sliding[l] != 0, d.rope = g.rope[l] != 0;
+    }
+    auto *dev = device_alloc<nmk::mk::Layer>(layers.size(), mk.owned);
+    cuda_check(cudaMemcpy(dev, layers.data(), layers.size() * sizeof(nmk::mk::Layer), cudaMemcpyHostToDevice),
+               "copy layers");
+    mk.params.layers = dev;
+}
+
+void alloc_scratch(nmk_mk &mk, const nmk_mk_geometry &g) {
+    auto &p = mk.params;
+    const size_t B = NMK_MK_MAX_BATCH, H = g.hidden, Q = (size_t)g.num_heads * g.head_dim;
+    const size_t slots = std::min(B * g.top_k, (size_t)g.num_experts);
+    const size_t group = g.num_heads / g.num_kv_heads;
+    p.x = device_alloc<float>(B * H, mk.owned);
+    p.h = device_alloc<bf16>(B * H, mk.owned);
+    p.q = device_alloc<float>(B * Q, mk.owned);
+    p.part = device_alloc<float>(B * g.num_kv_heads * NMK_MK_MAX_SPLITS * group * (g.head_dim + 2), mk.owned);
+    p.attn = device_alloc<bf16>(B * Q, mk.owned);
+    p.o = device_alloc<float>(B * H, mk.owned);
+    p.slot_expert = device_alloc<int32_t>(slots, mk.owned);
+    p.slot_k = device_alloc<int32_t>(slots * B, mk.owned);
+    p.topk_weight = device_alloc<float>(B * g.top_k, mk.owned);
+    p.act = device_alloc<bf16>(slots * B * std::max(g.moe_inter, g.dense_inter), mk.owned);
+    p.mlp = device_alloc<float>(B * g.top_k * H, mk.owned);
+    p.lm_best = device_alloc<float>(B * (g.vocab / 8 + 1), mk.owned);
+    p.lm_best_index = device_alloc<int32_t>(B * (g.vocab / 8 + 1), mk.owned);
+}
+
+size_t debug_floats(const nmk::mk::Params &p) {
+    return (size_t)(p.num_layers + 1) * NMK_MK_DEBUG_STAGES * NMK_MK_MAX_BATCH * p.hidden;
+}
+
+uint64_t debug_bytes(const nmk::mk::Params &p) {
+    return debug_floats(p) * sizeof(float) + (uint64_t)p.num_layers * NMK_MK_MAX_BATCH * p.top_k * sizeof(int32_t);
+}
+
+void check_geometry(const nmk_mk_geometry &g) {
+    auto bad = [](const std::string &m) { throw nmk::Error(NMK_ERR_INVALID_ARGUMENT, m); };
+    if (g.head_dim != nmk::mk::kHeadDim) bad("head_dim must be 128");
+    if (g.num_heads / g.num_kv_heads > nmk::mk::kMaxGroup) bad("at most 8 query heads per kv head");
+    if (g.top_k > nmk::mk::kMaxTopK) bad("top_k must be <= 8");
+    if (g.page_size != nmk::mk::kPage) bad("page_size must be 64");
+    if ((size_t)NMK_MK_MAX_BATCH * g.num_heads * g.head_dim * 2 > nmk::mk::kSmemBytes) bad("q width too large");
+    if ((size_t)NMK_MK_MAX_BATCH * std::max(g.moe_inter, g.dense_inter) * 2 + 64 > nmk::mk::kSmemBytes)
+        bad("intermediate size too large");
+    if ((size_t)NMK_MK_MAX_BATCH * g.hidden * 2 + 8 * 1024 > nmk::mk::kSmemBytes) bad("hidden size too large");
+}
+
+}  // namespace
+
+extern "C" {
+
+NMK_API nmk_status nmk_mk_create(const nmk_mk_geometry *geometry, const nmk_mk_weights *weights, nmk_mk **out) {
+    NMK_REQUIRE(geometry && weights && out && weights->layers, "nmk_mk_create: NULL argument");
+    NMK_REQUIRE(weights->embed && weights->final_norm, "nmk_mk_create: embed and final_norm are required");
+    return nmk::guard("nmk_mk_create", [&] {
+        auto mk = std::make_unique<nmk_mk>();
+        try {
+            mk->geometry = nmk::schedule::Geometry::from_abi(*geometry);
+        } catch (const std::invalid_argument &e) {
+            throw nmk::Error(NMK_ERR_INVALID_ARGUMENT, e.what());
+        }
+        check_geometry(*geometry);
+        int device = 0;
+        cuda_check(cudaGetDevice(&device), "cudaGetDevice");
+        cudaDeviceProp prop{};
+        cuda_check(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
+        if (prop.major != 9) throw nmk::Error(NMK_ERR_UNSUPPORTED, "the megakernel needs an sm_90 (Hopper) GPU");
+        cuda_check(cudaFuncSetAttribute(nmk::mk::megakernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        nmk::mk::kSmemBytes), "cudaFuncSetAttribute");
+        int per_sm = 0;
+        cuda_check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, nmk::mk::megakernel, nmk::mk::kThreads,
+                                                                 nmk::mk::kSmemBytes), "occupancy");
+        if (per_sm < 1) throw nmk::Error(NMK_ERR_UNSUPPORTED, "the megakernel's CTA does not fit on an SM");
+        mk->num_sms = prop.multiProcessorCount;
+        auto &p = mk->params;
+        p.hidden = geometry->hidden, p.num_layers = geometry->num_layers, p.num_heads = geometry->num_heads;
+        p.num_kv_heads = geometry->num_kv_heads, p.num_experts = geometry->num_experts, p.top_k = geometry->top_k;
+        p.moe_inter = geometry->moe_inter, p.dense_inter = geometry->dense_inter, p.vocab = geometry->vocab;
+        p.sliding_window = geometry->sliding_window, p.rope_theta = geometry->rope_theta;
+        p.norm_eps = geometry->norm_eps, p.logit_scale = geometry->logit_scale;
+        p.embed = static_cast<const bf16 *>(weights->embed);
+        p.final_norm = static_cast<const bf16 *>(weights->final_norm);
+        bind_layers(*mk, *geometry, *weights);
+        alloc_scratch(*mk, *geometry);
+        *out = mk.release();
+        return NMK_OK;
+    });
+}
+
+NMK_API void nmk_mk_destroy(nmk_mk *mk) { delete mk; }
+
+NMK_API nmk_status nmk_mk_num_sms(const nmk_mk *mk, uint32_t *out) {
+    NMK_REQUIRE(mk && out, "nmk_mk_num_sms: NULL argument");
+    *out = static_cast<uint32_t>(mk->num_sms);
+    return NMK_OK;
+}
+
+NMK_API nmk_status nmk_mk_debug_bytes(const nmk_mk *mk, uint64_t *out) {
+    NMK_REQUIRE(mk && out, "nmk_mk_debug_bytes: NULL argument");
+    *out = debug_bytes(mk->params);
+    return NMK_OK;
+}
+
+NMK_API nmk_status nmk_mk_set_debug(nmk_mk *mk, void *buffer, uint64_t bytes) {
+    NMK_REQUIRE(mk, "nmk_mk_set_debug: NULL argument");
+    NMK_REQUIRE(!buffer || bytes >= debug_bytes(mk->params), "nmk_mk_set_debug: need %llu bytes, got %llu",
+                (unsigned long long)debug_bytes(mk->params), (unsigned long long)bytes);
+    auto &p = mk->params;
+    p.debug = static_cast<float *>(buffer);
+    p.debug_experts = buffer ? reinterpret_cast<int32_t *>(p.debug + debug_floats(p)) : nullptr;
+    return NMK_OK;
+}
+
+NMK_API nmk_status nmk_mk_step(nmk_mk *mk, const nmk_mk_step_args *a, void *stream) {
+    NMK_REQUIRE(mk && a && a->host_positions && a->tokens && a->positions && a->logits && a->next_tokens,
+                "nmk_mk_step: NULL argument");
+    NMK_REQUIRE(a->batch >= 1 && a->batch <= NMK_MK_MAX_BATCH, "nmk_mk_step: batch must be in [1, %d], got %u",
+                NMK_MK_MAX_BATCH, a->batch);
+    int max_len = 0;
+    for (uint32_t r = 0; r < a->batch; r++) {
+        NMK_REQUIRE(a->host_positions[r] >= 0, "nmk_mk_step: negative position in row %u", r);
+        NMK_REQUIRE((uint32_t)(a->host_positions[r] / nmk::mk::kPage) < a->table_cols,
+                    "nmk_mk_step: row %u position %d is past the block table (%u pages)", r, a->host_positions[r],
+                    a->table_cols);
+        max_len = std::max(max_len, a->host_positions[r] + 1);
+    }
+    for (int g = 0; g < mk->num_groups; g++)
+        NMK_REQUIRE(a->block_tables[g], "nmk_mk_step: no block table for KV group %d", g);
+    return nmk::guard("nmk_mk_step", [&] {
+        const DeviceSchedule &s = mk->schedule_for(static_cast<int>(a->batch), max_len);
+        nmk::mk::Params p = mk->params;
+        p.plan = s.plan;
+        p.tasks = s.tasks, p.sm_offsets = s.sm_offsets, p.counters = s.counters;
+        p.tokens = a->tokens, p.positions = a->positions;
+        for (int g = 0; g < NMK_KV_MAX_GROUPS; g++) p.tables[g] = a->block_tables[g];
+        p.table_cols = static_cast<int>(a->table_cols);
+        p.logits = a->logits, p.next_tokens = a->next_tokens;
+        auto st = static_cast<cudaStream_t>(stream);
+        nmk::mk::megakernel<<<mk->num_sms, nmk::mk::kThreads, nmk::mk::kSmemBytes, st>>>(p);
+        cuda_check(cudaGetLastError(), "megakernel launch");
+        return NMK_OK;
+    });
+}
+
+}  // extern "C"

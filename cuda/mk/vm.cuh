@@ -1,0 +1,91 @@
+// The persistent VM: each CTA walks its SM's task list; a task waits on a counter in
+// global memory, runs, and signals. No grid-wide barrier: the last CTA to finish zeroes
+// the counters for the next step.
+#pragma once
+
+#include "op_attention.cuh"
+#include "op_lm_head.cuh"
+#include "op_mlp.cuh"
+#include "op_norm.cuh"
+#include "op_oproj.cuh"
+#include "op_qkv.cuh"
+#include "op_router.cuh"
+
+namespace nmk::mk {
+
+__device__ __forceinline__ uint32_t load_acquire(const uint32_t *p) {
+    uint32_t v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void wait_for(const uint32_t *counter, uint32_t target) {
+    if (threadIdx.x == 0)
+        while (load_acquire(counter) < target) __nanosleep(20);
+    __syncthreads();
+}
+
+// All threads' writes of the task are done (barrier), then one release-add.
+__device__ __forceinline__ void signal(uint32_t *counter) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        atomicAdd(counter, 1u);
+    }
+}
+
+template <int B>
+__device__ void run_task(const Params &p, const nmk_task &t, char *smem) {
+    switch (t.op) {
+        case NMK_OP_NORM: return run_norm(p, t.layer, false, smem);
+        case NMK_OP_QKV: return run_qkv<B>(p, t.layer, t.x, smem);
+        case NMK_OP_ROUTER: return run_router<B>(p, t.layer, smem);
+        case NMK_OP_ATTN: return run_attention(p, t.layer, t.x, t.y, t.z & 0xff, t.z >> 8, smem);
+        case NMK_OP_COMBINE: return run_combine(p, t.layer, t.x, t.y, t.z);
+        case NMK_OP_OPROJ: return run_oproj<B>(p, t.layer, t.x, smem);
+        case NMK_OP_GATE_UP: return run_gate_up<B>(p, t.layer, t.x, t.y, smem);
+        case NMK_OP_DOWN: return run_down<B>(p, t.layer, t.x, t.y, smem);
+        case NMK_OP_FINAL_NORM: return run_norm(p, 0, true, smem);
+        case NMK_OP_LM_HEAD: return run_lm_head<B>(p, t.x, smem);
+        case NMK_OP_ARGMAX: return run_argmax(p, t.x, smem);
+        default: __trap();
+    }
+}
+
+template <int B>
+__device__ void run_list(const Params &p, char *smem) {
+    const uint32_t begin = p.sm_offsets[blockIdx.x], end = p.sm_offsets[blockIdx.x + 1];
+    for (uint32_t i = begin; i < end; i++) {
+        const nmk_task t = p.tasks[i];
+        if (t.wait >= 0) wait_for(p.counters + t.wait, t.target);
+        run_task<B>(p, t, smem);
+        if (t.signal >= 0) signal(p.counters + t.signal);
+        else __syncthreads();
+    }
+}
+
+__global__ void __launch_bounds__(kThreads, 1) megakernel(const __grid_constant__ Params p) {
+    extern __shared__ __align__(16) char smem[];
+    switch (p.plan.batch) {
+        case 1: run_list<1>(p, smem); break;
+        case 2: run_list<2>(p, smem); break;
+        case 3: run_list<3>(p, smem); break;
+        case 4: run_list<4>(p, smem); break;
+        case 5: run_list<5>(p, smem); break;
+        case 6: run_list<6>(p, smem); break;
+        case 7: run_list<7>(p, smem); break;
+        case 8: run_list<8>(p, smem); break;
+        default: __trap();
+    }
+    uint32_t *finished = p.counters + p.plan.num_counters;
+    if (threadIdx.x == 0) {
+        __threadfence();
+        if (atomicAdd(finished, 1u) == gridDim.x - 1) {
+            for (int c = 0; c < p.plan.num_counters; c++) p.counters[c] = 0;
+            *finished = 0;
+            __threadfence();
+        }
+    }
+}
+
+}  // namespace nmk::mk

@@ -1,0 +1,194 @@
+// Lays a decode step out as per-SM task lists (see schedule.hpp).
+#include <algorithm>
+#include <stdexcept>
+
+#include "schedule.hpp"
+
+namespace nmk::schedule {
+namespace {
+
+int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+// Units per tile so that `units` spread over about `tasks` tiles; multiples of 8 (one
+// row per warp of a 256-thread CTA), at most max_tile.
+int tile_for(int units, int tasks, int max_tile) {
+    int tile = ceil_div(ceil_div(units, tasks), 8) * 8;
+    return std::clamp(tile, 8, max_tile);
+}
+
+void require(bool ok, const std::string &what) {
+    if (!ok) throw std::invalid_argument(what);
+}
+
+struct Builder {
+    const Geometry &g;
+    Schedule s;
+    std::vector<uint32_t> signallers;  // per counter
+    int cursor = 0;
+
+    Builder(const Geometry &geometry, int num_sms) : g(geometry) { s.per_sm.resize(num_sms); }
+
+    int counter() {
+        signallers.push_back(0);
+        return static_cast<int>(signallers.size()) - 1;
+    }
+
+    // One task on the next SM in turn; it waits for everything that signals `wait`.
+    void add(uint8_t op, int layer, int x, int y, int z, int wait, int signal) {
+        nmk_task t{op, static_cast<uint8_t>(layer), static_cast<uint16_t>(x), static_cast<uint16_t>(y),
+                   static_cast<uint16_t>(z), wait, wait < 0 ? 0u : signallers[wait], signal};
+        if (signal >= 0) signallers[signal]++;
+        s.per_sm[cursor].push_back(t);
+        cursor = (cursor + 1) % s.num_sms();
+    }
+};
+
+int splits_for(int keys, int page_size, int pages_per_split) {
+    int pages = ceil_div(keys, page_size);
+    return std::clamp(ceil_div(pages, pages_per_split), 1, static_cast<int>(NMK_MK_MAX_SPLITS));
+}
+
+// Pages per attention split so that one layer's splits of all rows about fill the SMs.
+int pages_per_split(const Geometry &g, int num_sms, const std::vector<int> &lens, int layer) {
+    int work = 0;
+    for (int len : lens) work += ceil_div(keys_seen(g, layer, len), g.page_size) * g.num_kv_heads;
+    return std::max(1, ceil_div(work, num_sms));
+}
+
+// Adds layer l's tasks; returns the counter that says the layer's residual inputs are done.
+int add_layer(Builder &b, int l, int prev_done, const std::vector<int> &lens, int num_sms) {
+    const Geometry &g = b.g;
+    const nmk_plan &p = b.s.plan;
+    int normed = b.counter(), qkv = b.counter(), attn = b.counter(), combined = b.counter();
+    int routed = g.dense[l] ? normed : b.counter();
+    int done = b.counter();
+
+    b.add(NMK_OP_NORM, l, 0, 0, 0, prev_done, normed);
+    for (int x = 0; x < qkv_tiles(g, p); x++) b.add(NMK_OP_QKV, l, x, 0, 0, normed, qkv);
+    if (!g.dense[l]) b.add(NMK_OP_ROUTER, l, 0, 0, 0, normed, routed);
+
+    std::vector<int> slot_ready;
+    for (int y = 0; y < mlp_slots(g, p, l); y++) {
+        slot_ready.push_back(b.counter());
+        for (int x = 0; x < gate_up_tiles(g, p, l); x++) b.add(NMK_OP_GATE_UP, l, x, y, 0, routed, slot_ready[y]);
+    }
+    int pps = pages_per_split(g, num_sms, lens, l);
+    std::vector<int> splits(p.batch);
+    for (int r = 0; r < p.batch; r++) {
+        int n = splits[r] = splits_for(keys_seen(g, l, lens[r]), g.page_size, pps);
+        for (int h = 0; h < g.num_kv_heads; h++)
+            for (int z = 0; z < n; z++) b.add(NMK_OP_ATTN, l, r, h, z | (n << 8), qkv, attn);
+    }
+    for (int y = 0; y < mlp_slots(g, p, l); y++)
+        for (int x = 0; x < down_tiles(g, p, l); x++) b.add(NMK_OP_DOWN, l, x, y, 0, slot_ready[y], done);
+    for (int r = 0; r < p.batch; r++)
+        for (int h = 0; h < g.num_kv_heads; h++) b.add(NMK_OP_COMBINE, l, r, h, splits[r], attn, combined);
+    for (int x = 0; x < oproj_tiles(g, p); x++) b.add(NMK_OP_OPROJ, l, x, 0, 0, combined, done);
+    return done;
+}
+
+nmk_plan make_plan(const Geometry &g, int num_sms, const std::vector<int> &lens) {
+    nmk_plan p{};
+    p.batch = static_cast<int>(lens.size());
+    p.expert_slots = std::min(p.batch * g.top_k, g.num_experts);
+    int qkv_rows = (g.num_heads + 2 * g.num_kv_heads) * g.head_dim;
+    p.qkv_rows = tile_for(qkv_rows, num_sms, 128);
+    p.oproj_rows = tile_for(g.hidden, num_sms, 128);
+    p.moe_cols = tile_for(p.expert_slots * g.moe_inter, num_sms, 128);
+    p.moe_down_rows = tile_for(p.expert_slots * g.hidden, num_sms, 256);
+    p.dense_cols = tile_for(g.dense_inter, num_sms, 128);
+    p.dense_down_rows = tile_for(g.hidden, num_sms, 128);
+    p.lm_rows = tile_for(g.vocab, 4 * num_sms, 512);
+    p.lm_tiles = ceil_div(g.vocab, p.lm_rows);
+    return p;
+}
+
+}  // namespace
+
+void Geometry::validate() const {
+    require(hidden > 0 && hidden % 256 == 0, "hidden_size must be a positive multiple of 256");
+    require(num_layers > 0 && num_layers <= 255, "num_layers must be in [1, 255]");
+    require(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+    require(head_dim == 128, "head_dim must be 128");
+    require(num_heads / num_kv_heads <= 8, "at most 8 query heads per kv head");
+    require(num_experts > 0 && num_experts <= 128 && top_k > 0 && top_k <= 8 && top_k <= num_experts,
+            "need 1 <= top_k <= 8 and top_k <= num_experts <= 128");
+    require(moe_inter > 0 && moe_inter % 8 == 0, "intermediate_size must be a positive multiple of 8");
+    require(dense_inter > 0 && dense_inter % 8 == 0, "dense intermediate size must be a positive multiple of 8");
+    require(vocab > 0, "vocab_size must be positive");
+    require(page_size == 64, "page_size must be 64");
+    require(static_cast<int>(dense.size()) == num_layers && static_cast<int>(sliding.size()) == num_layers,
+            "need a dense and a sliding flag per layer");
+    bool any_sliding = std::any_of(sliding.begin(), sliding.end(), [](uint8_t s) { return s != 0; });
+    require(!any_sliding || sliding_window > 0, "sliding_window must be positive when a layer slides");
+}
+
+Geometry Geometry::from_abi(const nmk_mk_geometry &a) {
+    Geometry g;
+    g.hidden = a.hidden;
+    g.num_layers = a.num_layers;
+    g.num_heads = a.num_heads;
+    g.num_kv_heads = a.num_kv_heads;
+    g.head_dim = a.head_dim;
+    g.num_experts = a.num_experts;
+    g.top_k = a.top_k;
+    g.moe_inter = a.moe_inter;
+    g.dense_inter = a.dense_inter;
+    g.vocab = a.vocab;
+    g.sliding_window = a.sliding_window;
+    g.page_size = a.page_size;
+    require(a.num_layers > 0 && a.num_layers <= 255, "num_layers must be in [1, 255]");
+    require(a.dense && a.sliding && a.rope, "geometry needs dense, sliding and rope flags per layer");
+    g.dense.assign(a.dense, a.dense + a.num_layers);
+    g.sliding.assign(a.sliding, a.sliding + a.num_layers);
+    g.validate();
+    return g;
+}
+
+size_t Schedule::num_tasks() const {
+    size_t n = 0;
+    for (const auto &list : per_sm) n += list.size();
+    return n;
+}
+
+int qkv_tiles(const Geometry &g, const nmk_plan &p) {
+    return ceil_div((g.num_heads + 2 * g.num_kv_heads) * g.head_dim, p.qkv_rows);
+}
+int oproj_tiles(const Geometry &g, const nmk_plan &p) { return ceil_div(g.hidden, p.oproj_rows); }
+int mlp_slots(const Geometry &g, const nmk_plan &p, int layer) { return g.dense[layer] ? 1 : p.expert_slots; }
+int gate_up_tiles(const Geometry &g, const nmk_plan &p, int layer) {
+    return g.dense[layer] ? ceil_div(g.dense_inter, p.dense_cols) : ceil_div(g.moe_inter, p.moe_cols);
+}
+int down_tiles(const Geometry &g, const nmk_plan &p, int layer) {
+    return ceil_div(g.hidden, g.dense[layer] ? p.dense_down_rows : p.moe_down_rows);
+}
+int keys_seen(const Geometry &g, int layer, int context_len) {
+    return g.sliding[layer] ? std::min(context_len, g.sliding_window) : context_len;
+}
+
+Schedule build(const Geometry &g, int num_sms, const std::vector<int> &context_lens) {
+    g.validate();
+    require(num_sms > 0, "num_sms must be positive");
+    int batch = static_cast<int>(context_lens.size());
+    require(batch >= 1 && batch <= NMK_MK_MAX_BATCH, "batch must be in [1, NMK_MK_MAX_BATCH]");
+    for (int len : context_lens) require(len >= 1, "every context length must be >= 1");
+
+    Builder b(g, num_sms);
+    b.s.plan = make_plan(g, num_sms, context_lens);
+    int done = -1;
+    for (int l = 0; l < g.num_layers; l++) done = add_layer(b, l, done, context_lens, num_sms);
+    int normed = b.counter(), logits = b.counter();
+    b.add(NMK_OP_FINAL_NORM, 0, 0, 0, 0, done, normed);
+    for (int x = 0; x < b.s.plan.lm_tiles; x++) b.add(NMK_OP_LM_HEAD, 0, x, 0, 0, normed, logits);
+    for (int r = 0; r < batch; r++) b.add(NMK_OP_ARGMAX, 0, r, 0, 0, logits, -1);
+
+    int max_splits = 1;
+    for (const auto &list : b.s.per_sm)
+        for (const nmk_task &t : list)
+            if (t.op == NMK_OP_ATTN) max_splits = std::max(max_splits, t.z >> 8);
+    b.s.plan.max_splits = max_splits;
+    b.s.plan.num_counters = static_cast<int>(b.signallers.size());
+    return b.s;
+}
+
+}  // namespace nmk::schedule

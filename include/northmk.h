@@ -1,0 +1,488 @@
+/*
+ * northmk.h: the C ABI of libnorthmk, the native half of the northmk serving engine.
+ *
+ * Strict C99. Three parts:
+ *   - status codes, the thread-local last-error message, versions;
+ *   - the paged KV block pool: page groups, per-sequence block tables, reference counts,
+ *     sliding-window release, a prefix cache, dense per-row block tables for a decode step;
+ *   - the decode loop: a native thread that runs decode steps on a batch of rows, publishes
+ *     tokens to a ring and signals a file descriptor; it parks at a step boundary on request.
+ *
+ * Conventions. Every fallible function returns nmk_status; on failure it also sets the
+ * calling thread's last-error message (nmk_last_error) and, unless stated, changes nothing.
+ * Output pointers are written only on success. Objects are opaque; each *_create has a
+ * *_destroy that accepts NULL. Strings returned as `const char *` are static.
+ */
+#ifndef NORTHMK_H
+#define NORTHMK_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(_WIN32)
+#  define NMK_API __declspec(dllexport)
+#elif defined(__GNUC__)
+#  define NMK_API __attribute__((visibility("default")))
+#else
+#  define NMK_API
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Bumped on every incompatible change of a declaration below; nmk_abi_version() returns the
+ * library's value and bindings refuse a library whose value differs from theirs. */
+#define NMK_ABI_VERSION 1
+
+/* ==== status, errors, versions ==== */
+
+/* Append-only; numbers are fixed forever.
+ * Recoverable: NMK_ERR_NO_SPACE (free pages or preempt a sequence, then retry),
+ *              NMK_ERR_NOT_FOUND, NMK_ERR_INVALID_ARGUMENT, NMK_ERR_BAD_STATE (the call was
+ *              wrong; the object is unchanged), NMK_ERR_UNSUPPORTED (feature absent in this
+ *              build, e.g. CUDA).
+ * Fatal for the object involved: NMK_ERR_CUDA, NMK_ERR_OUT_OF_MEMORY, NMK_ERR_INTERNAL
+ *              (destroy it). NMK_ERR_STEP_FAILED: a decode step failed; the loop is parked,
+ *              its state consistent, and it may be resumed to retry. */
+typedef enum nmk_status {
+    NMK_OK = 0,
+    NMK_ERR_INVALID_ARGUMENT = 1,
+    NMK_ERR_NO_SPACE = 2,
+    NMK_ERR_NOT_FOUND = 3,
+    NMK_ERR_BAD_STATE = 4,
+    NMK_ERR_UNSUPPORTED = 5,
+    NMK_ERR_CUDA = 6,
+    NMK_ERR_STEP_FAILED = 7,
+    NMK_ERR_OUT_OF_MEMORY = 8,
+    NMK_ERR_INTERNAL = 9
+} nmk_status;
+
+/* Name of a status ("NMK_ERR_NO_SPACE"); "NMK_UNKNOWN_STATUS" for other values. Thread-safe. */
+NMK_API const char *nmk_status_string(int status);
+
+/* Copies the calling thread's last-error message (NUL-terminated, truncated to size - 1
+ * bytes; nothing written when buf is NULL or size is 0) and returns its full length.
+ * Set by every call that fails on this thread; successful calls leave it unchanged. */
+NMK_API size_t nmk_last_error(char *buf, size_t size);
+
+/* Library version, e.g. "0.1.0". Static string. Thread-safe. */
+NMK_API const char *nmk_version(void);
+
+/* NMK_ABI_VERSION as compiled into the library. Thread-safe. */
+NMK_API uint32_t nmk_abi_version(void);
+
+/* Nonzero when the library was built with CUDA (the megakernel). Thread-safe. */
+NMK_API int nmk_has_cuda(void);
+
+/* ==== paged KV block pool ==== */
+
+/* Layers are grouped by attention kind (full first, then sliding); each group has its own
+ * page pool and its own block table per sequence. Logical page j of a sequence covers
+ * positions [j*page_size, (j+1)*page_size); its physical page id is in [0, num_pages[g]).
+ *
+ * Sharing: only FULL pages are ever shared (forks and prefix-cache hits); a full page is
+ * never written again, so no copy-on-write exists. A fork copies the partially filled last
+ * page: the pool allocates a fresh page and reports the (src, dst) pair the caller copies.
+ *
+ * Thread-safety: every nmk_kv_* call is serialized by a mutex inside the pool, so any
+ * thread may call them. The dense block tables (nmk_kv_pool_block_table) are plain memory
+ * written under that mutex: read them from a decode step or while the loop is parked.
+ *
+ * Sequences are named by nmk_seq_id values (never 0), so a stale id gives
+ * NMK_ERR_NOT_FOUND instead of undefined behaviour. Ids are not reused by a pool. */
+#define NMK_KV_MAX_GROUPS 4
+#define NMK_KV_NO_PAGE (-1)
+
+typedef struct nmk_kv_pool nmk_kv_pool;
+typedef uint64_t nmk_seq_id;
+
+typedef struct nmk_kv_pool_params {
+    uint32_t num_groups;                     /* 1..NMK_KV_MAX_GROUPS */
+    uint32_t num_pages[NMK_KV_MAX_GROUPS];   /* physical pages per group, >= 1 */
+    uint32_t window[NMK_KV_MAX_GROUPS];      /* keys visible incl. the current token; 0 = full attention */
+    uint32_t page_size;                      /* tokens per page; default 64 */
+    uint32_t max_seq_len;                    /* tokens per sequence, >= 1; default 8192 */
+    uint32_t max_rows;                       /* rows of the dense block tables; default 8 */
+    uint64_t model_key;                      /* namespaces the prefix cache (hash of the model); default 0 */
+    int enable_prefix_cache;                 /* nonzero: register full pages and serve hits; default 1 */
+} nmk_kv_pool_params;
+
+/* Defaults: one full-attention group of 1024 pages, the values noted above. */
+NMK_API nmk_kv_pool_params nmk_kv_pool_default_params(void);
+
+/* Creates a pool. *out is owned by the caller: release with nmk_kv_pool_destroy. */
+NMK_API nmk_status nmk_kv_pool_create(const nmk_kv_pool_params *params, nmk_kv_pool **out);
+
+/* Destroys the pool and every sequence in it. NULL is a no-op. No loop may still use it. */
+NMK_API void nmk_kv_pool_destroy(nmk_kv_pool *pool);
+
+/* Creates a sequence. When tokens is non-NULL and the prefix cache holds pages for a
+ * prefix of tokens[0..n), the sequence starts with the longest such prefix (a multiple of
+ * page_size, at most n - 1 tokens so at least one prompt token is left to compute):
+ * *n_cached (may be NULL) receives its length. The remaining tokens are NOT appended;
+ * call nmk_kv_seq_append with tokens[*n_cached..n). Counts as one prefix lookup. */
+NMK_API nmk_status nmk_kv_seq_create(nmk_kv_pool *pool, const int32_t *tokens, size_t n,
+                                     nmk_seq_id *out, size_t *n_cached);
+
+/* How many prompt tokens nmk_kv_seq_create would take from the cache now (no state change,
+ * not counted in the statistics). */
+NMK_API nmk_status nmk_kv_prefix_lookup(nmk_kv_pool *pool, const int32_t *tokens, size_t n,
+                                        size_t *n_cached);
+
+/* Releases the sequence's pages (full, hashed pages stay cached until evicted) and its id.
+ * NMK_ERR_BAD_STATE while it is bound to a row (remove the loop row first). */
+NMK_API nmk_status nmk_kv_seq_free(nmk_kv_pool *pool, nmk_seq_id seq);
+
+/* Records n tokens at positions [len, len + n) (their KV is about to be written), gets a
+ * page for each of those positions in every group and releases sliding-window pages that
+ * lie wholly before the window of position len (pages of a long append that fall behind the
+ * window go at the next append). The caller must write the KV of appended
+ * tokens before the next nmk_kv_seq_create. NMK_ERR_NO_SPACE: no token recorded and no
+ * page taken (dead sliding pages may still have been released).
+ * NMK_ERR_INVALID_ARGUMENT when len + n would exceed max_seq_len. */
+NMK_API nmk_status nmk_kv_seq_append(nmk_kv_pool *pool, nmk_seq_id seq, const int32_t *tokens,
+                                     size_t n);
+
+/* One page to copy: in group `group`, page src's contents into page dst. */
+typedef struct nmk_kv_page_copy {
+    uint32_t group;
+    int32_t src;
+    int32_t dst;
+} nmk_kv_page_copy;
+
+/* Creates *child with the same tokens as src: full pages are shared (reference counted), a
+ * partially filled last page gets a fresh page per group, listed in copies[0..*n_copies)
+ * for the caller to copy before using either sequence. cap must be >= num_groups.
+ * NMK_ERR_NO_SPACE: nothing changed. */
+NMK_API nmk_status nmk_kv_seq_fork(nmk_kv_pool *pool, nmk_seq_id src, nmk_seq_id *child,
+                                   nmk_kv_page_copy *copies, size_t cap, size_t *n_copies);
+
+/* Number of tokens recorded for the sequence (its next position). */
+NMK_API nmk_status nmk_kv_seq_length(nmk_kv_pool *pool, nmk_seq_id seq, size_t *out);
+
+/* Copies the sequence's block table of one group, one entry per logical page
+ * (NMK_KV_NO_PAGE where released), into out[0..min(cap, pages)); *n_pages = page count. */
+NMK_API nmk_status nmk_kv_seq_block_table(nmk_kv_pool *pool, nmk_seq_id seq, uint32_t group,
+                                          int32_t *out, size_t cap, size_t *n_pages);
+
+/* Binds a sequence to row `row` of the dense block tables (kept current by every later
+ * change to the sequence) / clears the row to NMK_KV_NO_PAGE. A sequence has at most one
+ * row. The decode loop binds its rows itself. */
+NMK_API nmk_status nmk_kv_pool_bind_row(nmk_kv_pool *pool, uint32_t row, nmk_seq_id seq);
+NMK_API nmk_status nmk_kv_pool_unbind_row(nmk_kv_pool *pool, uint32_t row);
+
+/* Dense block table of a group: int32 [*rows = max_rows][*cols = pages per max_seq_len],
+ * row-major, NMK_KV_NO_PAGE when absent. Owned by the pool, valid until it is destroyed. */
+NMK_API nmk_status nmk_kv_pool_block_table(nmk_kv_pool *pool, uint32_t group, const int32_t **data,
+                                           uint32_t *rows, uint32_t *cols);
+
+typedef struct nmk_kv_usage {
+    uint32_t total;   /* physical pages */
+    uint32_t used;    /* referenced by a sequence */
+    uint32_t cached;  /* unreferenced, holding a prefix-cache entry (evictable, LRU) */
+    uint32_t free;    /* unreferenced, no cache entry */
+} nmk_kv_usage;
+
+/* Page counts of one group; used + cached + free == total. */
+NMK_API nmk_status nmk_kv_pool_usage(nmk_kv_pool *pool, uint32_t group, nmk_kv_usage *out);
+
+typedef struct nmk_kv_prefix_stats {
+    uint64_t lookups;        /* nmk_kv_seq_create calls with tokens */
+    uint64_t query_tokens;   /* tokens offered to those lookups */
+    uint64_t hit_tokens;     /* tokens served from the cache */
+    uint64_t evictions;      /* cached pages reused for new data */
+} nmk_kv_prefix_stats;
+
+NMK_API nmk_status nmk_kv_pool_prefix_stats(nmk_kv_pool *pool, nmk_kv_prefix_stats *out);
+
+/* ==== decode loop ==== */
+
+/* A native thread that owns decode while running. Each iteration: make sure every active
+ * row has a page for its next position in every group (appending its last token to its
+ * sequence; all rows or none), run the step, then per row record the sampled token, apply
+ * stop ids / budget / max_seq_len, publish one ring entry and signal the fd.
+ *
+ * States: created PARKED. nmk_loop_resume -> RUNNING. It parks at a step boundary when
+ * asked (park status NMK_OK), when pages run out (NMK_ERR_NO_SPACE: nothing was changed
+ * for that step; free pages or remove a row, then resume), or when the step fails
+ * (NMK_ERR_STEP_FAILED: the step's page appends are rolled back; no published token is
+ * lost). Entering PARKED signals the fd (creation does not: a new loop is parked
+ * silently). Every entry is published before the park, so a reader that sees PARKED and
+ * then drains has every token. Running with no active row waits idle.
+ *
+ * Thread-safety: any thread may call nmk_loop_*, except from inside the step function
+ * (NMK_ERR_BAD_STATE). add_row/remove_row/resume require PARKED. The pool is used by the
+ * loop while running; it must outlive the loop. */
+typedef struct nmk_loop nmk_loop;
+
+/* Input of one step, struct of arrays over the active rows (ascending slot). */
+typedef struct nmk_step_batch {
+    uint64_t step;                 /* 0, 1, ... for this loop */
+    uint32_t num_rows;
+    const uint32_t *slots;         /* dense block-table row of each row */
+    const nmk_seq_id *seqs;
+    const int32_t *tokens;         /* input token: its KV is written at positions[i] */
+    const uint32_t *positions;
+    uint32_t num_groups;
+    uint32_t max_pages_per_seq;    /* columns of each block table */
+    const int32_t *block_tables[NMK_KV_MAX_GROUPS];  /* the pool's dense tables, [max_rows][cols] */
+} nmk_step_batch;
+
+/* Output of one step: the step writes one sampled token and its logprob per row. */
+typedef struct nmk_step_result {
+    int32_t *tokens;               /* [num_rows] */
+    float *logprobs;               /* [num_rows] */
+} nmk_step_result;
+
+/* Runs one decode step on the loop thread. Returns NMK_OK, or any other status to fail. */
+typedef int (*nmk_step_fn)(void *user, const nmk_step_batch *batch, nmk_step_result *result);
+
+typedef struct nmk_loop_params {
+    uint32_t max_rows;         /* row slots, <= the pool's max_rows; default 8 */
+    uint32_t ring_capacity;    /* ring entries, >= max_rows; default 4096. Full ring: the loop waits */
+    nmk_step_fn step;          /* required */
+    void *step_user;           /* passed to step; owned by the caller, must outlive the loop */
+} nmk_loop_params;
+
+NMK_API nmk_loop_params nmk_loop_default_params(void);
+
+/* Creates a parked loop and its thread. *out owned by the caller (nmk_loop_destroy).
+ * NMK_ERR_UNSUPPORTED where eventfd is unavailable. */
+NMK_API nmk_status nmk_loop_create(nmk_kv_pool *pool, const nmk_loop_params *params, nmk_loop **out);
+
+/* Stops the thread at a step boundary, unbinds its rows (their sequences stay in the pool)
+ * and frees the loop. Unread ring entries are lost. NULL is a no-op. */
+NMK_API void nmk_loop_destroy(nmk_loop *loop);
+
+/* Readable (eventfd counter > 0) when ring entries were published or the loop parked.
+ * Owned by the loop; do not close it. nmk_loop_drain consumes the notification. */
+NMK_API int nmk_loop_fd(const nmk_loop *loop);
+
+typedef enum nmk_loop_state {
+    NMK_LOOP_PARKED = 0,
+    NMK_LOOP_RUNNING = 1
+} nmk_loop_state;
+
+/* Current state, and the status of the latest park (meaningful while parked). */
+NMK_API nmk_status nmk_loop_get_state(nmk_loop *loop, nmk_loop_state *state, nmk_status *park_status);
+
+/* The message of the latest failed park (the step's failure or the missing pages), like
+ * nmk_last_error: returns its full length; "" after a requested park. */
+NMK_API size_t nmk_loop_park_message(nmk_loop *loop, char *buf, size_t size);
+
+/* Asks the loop to park after the current step; returns at once. The fd signals when
+ * parked. No-op while parked. */
+NMK_API nmk_status nmk_loop_request_park(nmk_loop *loop);
+
+/* request_park and wait until parked. */
+NMK_API nmk_status nmk_loop_park(nmk_loop *loop);
+
+/* PARKED -> RUNNING. NMK_ERR_BAD_STATE unless parked. */
+NMK_API nmk_status nmk_loop_resume(nmk_loop *loop);
+
+/* Ring entry flags. */
+#define NMK_TOKEN_FINISHED 1u   /* the row's last token; it stays in the batch, idle */
+#define NMK_TOKEN_STOP 2u       /* finished on a stop token id (e.g. EOS) */
+#define NMK_TOKEN_LENGTH 4u     /* finished on the token budget or max_seq_len */
+
+typedef struct nmk_token_event {
+    nmk_seq_id seq;
+    uint32_t slot;
+    int32_t token;
+    float logprob;
+    uint32_t flags;            /* NMK_TOKEN_* */
+} nmk_token_event;
+
+/* Consumes the fd notification, then moves up to cap entries, oldest first, to out;
+ * *n receives the count. Re-signals the fd when entries remain. Any state. */
+NMK_API nmk_status nmk_loop_drain(nmk_loop *loop, nmk_token_event *out, size_t cap, size_t *n);
+
+typedef struct nmk_loop_row_params {
+    uint32_t slot;                  /* < max_rows and free */
+    nmk_seq_id seq;                 /* a sequence of the loop's pool, not bound to a row */
+    int32_t last_token;             /* sampled, not yet in the KV; its position is the sequence length */
+    uint32_t max_new_tokens;        /* tokens this row may still generate, >= 1 */
+    uint32_t min_new_tokens;        /* stop ids are ignored before this many */
+    const int32_t *stop_token_ids;  /* copied; may be NULL when num_stop_token_ids is 0 */
+    uint32_t num_stop_token_ids;
+} nmk_loop_row_params;
+
+/* Adds an active row (binds its sequence to the slot's block-table row). PARKED only. */
+NMK_API nmk_status nmk_loop_add_row(nmk_loop *loop, const nmk_loop_row_params *row);
+
+/* Removes a row, finished or not, and unbinds its sequence (which stays in the pool; free
+ * or keep it). PARKED only. */
+NMK_API nmk_status nmk_loop_remove_row(nmk_loop *loop, uint32_t slot);
+
+typedef struct nmk_loop_row_info {
+    nmk_seq_id seq;
+    int32_t last_token;
+    uint32_t position;              /* where last_token's KV goes */
+    uint32_t generated;             /* tokens published for this row */
+    uint32_t remaining;             /* budget left */
+    uint32_t flags;                 /* NMK_TOKEN_* of its last event; FINISHED once done */
+} nmk_loop_row_info;
+
+/* NMK_ERR_NOT_FOUND for an empty slot. PARKED only. */
+NMK_API nmk_status nmk_loop_row(nmk_loop *loop, uint32_t slot, nmk_loop_row_info *out);
+
+/* Rows in the batch (active or finished). Any state. */
+NMK_API nmk_status nmk_loop_num_rows(nmk_loop *loop, uint32_t *out);
+
+/* ==== megakernel and task schedule: owned by cuda/mk and cuda/schedule ==== */
+
+/* A decode step is one persistent kernel: one CTA per SM runs its own list of tasks; a
+ * task waits until a counter in device memory reaches its target, runs, then bumps its
+ * signal counter. The schedule (host-built, cached per batch size and context bucket)
+ * holds those lists. Counters are zeroed by the last CTA of every step. */
+
+enum { NMK_MK_MAX_BATCH = 8, NMK_MK_MAX_SPLITS = 64 };
+
+/* Append-only; 0 is never valid so zeroed memory fails loudly. */
+typedef enum nmk_opcode {
+    NMK_OP_NORM = 1,       /* layer: x += o + mlp (embedding at layer 0); h = rmsnorm(x) */
+    NMK_OP_QKV = 2,        /* rows [x*qkv_rows, ...) of qkv @ h; RoPE; k, v into the paged cache */
+    NMK_OP_ROUTER = 3,     /* router logits, top-k sigmoid, distinct-expert slots */
+    NMK_OP_ATTN = 4,       /* row x, kv head y, split z & 0xff of z >> 8: partial softmax(qk)v */
+    NMK_OP_COMBINE = 5,    /* row x, kv head y: merge its z splits into attn_out */
+    NMK_OP_OPROJ = 6,      /* rows [x*oproj_rows, ...) of o @ attn_out */
+    NMK_OP_GATE_UP = 7,    /* mlp slot y, intermediate cols [x*cols, ...): silu(gate) * up */
+    NMK_OP_DOWN = 8,       /* mlp slot y, hidden rows [x*rows, ...) of down @ act */
+    NMK_OP_FINAL_NORM = 9, /* x += o + mlp of the last layer; h = rmsnorm(x) */
+    NMK_OP_LM_HEAD = 10,   /* vocab rows [x*lm_rows, ...): scaled logits, per-tile argmax */
+    NMK_OP_ARGMAX = 11,    /* row x: greedy token from the per-tile argmaxes */
+    NMK_OP_END = 12        /* one past the last opcode */
+} nmk_opcode;
+
+typedef struct nmk_task {
+    uint8_t op;            /* nmk_opcode */
+    uint8_t layer;
+    uint16_t x, y, z;      /* meaning per opcode, above */
+    int32_t wait;          /* counter to wait on, -1: none */
+    uint32_t target;       /* run once counters[wait] >= target */
+    int32_t signal;        /* counter to bump when done, -1: none */
+} nmk_task;
+
+/* Tile geometry of one schedule, chosen by the builder and obeyed by the kernel. */
+typedef struct nmk_plan {
+    int32_t batch;
+    int32_t expert_slots;     /* min(batch * top_k, experts): one per distinct routed expert */
+    int32_t qkv_rows;         /* even, so RoPE pairs stay in one tile */
+    int32_t oproj_rows;
+    int32_t moe_cols;         /* expert intermediate columns per GATE_UP task */
+    int32_t moe_down_rows;
+    int32_t dense_cols;
+    int32_t dense_down_rows;
+    int32_t lm_rows;
+    int32_t lm_tiles;
+    int32_t max_splits;       /* most attention splits of any row */
+    int32_t num_counters;
+} nmk_plan;
+
+/* Model geometry as the megakernel and the schedule see it. Per-layer arrays have
+ * num_layers entries (nonzero = yes) and are read only during the call they are passed to. */
+typedef struct nmk_mk_geometry {
+    int32_t hidden, num_layers, num_heads, num_kv_heads, head_dim;
+    int32_t num_experts, top_k, moe_inter, dense_inter, vocab;
+    int32_t sliding_window;   /* keys a sliding layer sees, the current token included */
+    int32_t page_size;        /* 64 */
+    float rope_theta, norm_eps, logit_scale;
+    const uint8_t *dense;     /* dense MLP, else routed experts (sigmoid top-k, no renorm) */
+    const uint8_t *sliding;   /* sliding-window attention, else full */
+    const uint8_t *rope;      /* interleaved RoPE on q and k */
+} nmk_mk_geometry;
+
+typedef struct nmk_schedule nmk_schedule;
+
+/* Builds the schedule of a step of `batch` rows where row r sees context_lens[r] tokens
+ * (its new one included); valid for any step whose lengths are <= these. *out is owned by
+ * the caller (nmk_schedule_destroy). Host only; always available. */
+NMK_API nmk_status nmk_schedule_create(const nmk_mk_geometry *geometry, uint32_t num_sms,
+                                       const int32_t *context_lens, uint32_t batch, nmk_schedule **out);
+NMK_API void nmk_schedule_destroy(nmk_schedule *schedule);
+NMK_API nmk_status nmk_schedule_plan(const nmk_schedule *schedule, nmk_plan *out);
+
+/* The task lists, concatenated: SM s runs tasks[sm_offsets[s] .. sm_offsets[s + 1]).
+ * Owned by the schedule, valid until it is destroyed. */
+NMK_API nmk_status nmk_schedule_tasks(const nmk_schedule *schedule, const nmk_task **tasks,
+                                      const uint32_t **sm_offsets, uint32_t *num_sms);
+
+/* NMK_OK when the lists are safe to run: known opcodes, every task of the step exactly
+ * once, each wait for all signallers of its counter and all of the stages it reads, no two
+ * unordered stages sharing a buffer, no deadlock. Else NMK_ERR_INVALID_ARGUMENT with the
+ * first violation as the last error. */
+NMK_API nmk_status nmk_schedule_check(const nmk_mk_geometry *geometry, const nmk_plan *plan,
+                                      const nmk_task *tasks, const uint32_t *sm_offsets, uint32_t num_sms);
+
+/* ---- the megakernel (CUDA builds; NMK_ERR_UNSUPPORTED otherwise) ---- */
+
+/* Device pointers (bf16 unless noted) in the layout of northmk/model/weights.py. */
+typedef struct nmk_mk_layer {
+    const void *norm;             /* [H] */
+    const void *qkv;              /* [Q + 2 KV, H] */
+    const void *o;                /* [H, Q] */
+    const void *gate_up;          /* dense: [2 D, H], gate rows first */
+    const void *down;             /* dense: [H, D] */
+    const void *router;           /* sparse: [E, H] */
+    const void *experts_gate_up;  /* sparse: [E, 2 I, H] */
+    const void *experts_down;     /* sparse: [E, H, I] */
+    int32_t kv_group, kv_slot;    /* pages[kv_group][:, kv_slot] hold this layer's k, v */
+} nmk_mk_layer;
+
+typedef struct nmk_mk_weights {
+    const void *embed;            /* [V, H], also the tied lm_head */
+    const void *final_norm;       /* [H] */
+    const nmk_mk_layer *layers;   /* [num_layers], copied */
+    void *kv_pages[NMK_KV_MAX_GROUPS];  /* [pages, layers_in_group, 2, kv_heads, page_size, head_dim] */
+} nmk_mk_weights;
+
+typedef struct nmk_mk nmk_mk;
+
+/* Binds weights and KV pages (not copied; they must outlive the megakernel) and allocates
+ * the step's scratch on the current CUDA device. *out owned by the caller (nmk_mk_destroy). */
+NMK_API nmk_status nmk_mk_create(const nmk_mk_geometry *geometry, const nmk_mk_weights *weights, nmk_mk **out);
+NMK_API void nmk_mk_destroy(nmk_mk *mk);
+
+/* One decode step, enqueued on `stream` (a cudaStream_t; NULL: the default stream). */
+typedef struct nmk_mk_step_args {
+    uint32_t batch;                      /* 1..NMK_MK_MAX_BATCH */
+    const int32_t *host_positions;       /* [batch] host: position of each row's new token */
+    const int32_t *tokens;               /* [batch] device: input token of each row */
+    const int32_t *positions;            /* [batch] device: the same positions */
+    const int32_t *block_tables[NMK_KV_MAX_GROUPS];  /* device, per group [batch][table_cols] */
+    uint32_t table_cols;
+    float *logits;                       /* device fp32 [batch, vocab], written */
+    int32_t *next_tokens;                /* device [batch]: greedy argmax, written */
+} nmk_mk_step_args;
+
+NMK_API nmk_status nmk_mk_step(nmk_mk *mk, const nmk_mk_step_args *args, void *stream);
+
+/* Multiprocessors the megakernel runs on (one CTA each). */
+NMK_API nmk_status nmk_mk_num_sms(const nmk_mk *mk, uint32_t *out);
+
+/* Debug capture, for tests and diagnosis. Stages recorded per layer l in [0, num_layers]
+ * (l = num_layers: what enters the final norm); append-only. */
+typedef enum nmk_mk_debug_stage {
+    NMK_MK_DEBUG_X = 0,     /* the residual x entering layer l (the embedding at l = 0) */
+    NMK_MK_DEBUG_ATTN = 1,  /* the o-proj output of layer l - 1 (zero at l = 0) */
+    NMK_MK_DEBUG_MLP = 2,   /* the mlp output of layer l - 1, experts combined (zero at l = 0) */
+    NMK_MK_DEBUG_STAGES = 3
+} nmk_mk_debug_stage;
+
+/* Bytes of the buffer nmk_mk_set_debug needs: fp32 [num_layers + 1][NMK_MK_DEBUG_STAGES]
+ * [NMK_MK_MAX_BATCH][hidden], then int32 [num_layers][NMK_MK_MAX_BATCH][top_k]: the experts
+ * each row routed to in ascending id order (-1 on dense layers). */
+NMK_API nmk_status nmk_mk_debug_bytes(const nmk_mk *mk, uint64_t *out);
+
+/* From the next step on, every step records into `buffer` (device memory of at least
+ * nmk_mk_debug_bytes, owned by the caller, alive while set). NULL turns recording off. */
+NMK_API nmk_status nmk_mk_set_debug(nmk_mk *mk, void *buffer, uint64_t bytes);
+
+/* ==== end megakernel ==== */
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* NORTHMK_H */

@@ -1,0 +1,311 @@
+"""ctypes bindings of the megakernel and its task schedule (the nmk_mk_* / nmk_schedule_*
+section of include/northmk.h); C prototypes beside their argtypes.
+
+    Schedule(config, num_sms, context_lens)   host-built per-SM task lists, always available
+    check_schedule(config, plan, tasks, sm_offsets)   the DAG checker on any task lists
+    Megakernel(config, weights, kv)           one decode step per launch (CUDA builds, sm_90)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+from dataclasses import dataclass
+from ctypes import POINTER, byref, c_float, c_int32, c_uint8, c_uint16, c_uint32, c_uint64, c_void_p
+
+import numpy as np
+import torch
+
+from .config import PAGE_SIZE, SLIDING, ModelConfig
+from .model.kv import PagedKVCache
+from .model.weights import ModelWeights
+from .native._lib import KV_MAX_GROUPS, check, load
+
+MAX_BATCH = 8  # NMK_MK_MAX_BATCH
+MAX_SPLITS = 64  # NMK_MK_MAX_SPLITS
+
+
+class Opcode(enum.IntEnum):
+    """nmk_opcode."""
+
+    NORM = 1
+    QKV = 2
+    ROUTER = 3
+    ATTN = 4
+    COMBINE = 5
+    OPROJ = 6
+    GATE_UP = 7
+    DOWN = 8
+    FINAL_NORM = 9
+    LM_HEAD = 10
+    ARGMAX = 11
+
+
+class DebugStage(enum.IntEnum):
+    """nmk_mk_debug_stage: what the debug capture records per layer l (see MegakernelTrace)."""
+
+    X = 0  # the residual entering layer l
+    ATTN = 1  # o-proj output of layer l - 1
+    MLP = 2  # mlp output of layer l - 1
+
+
+DEBUG_STAGES = 3  # NMK_MK_DEBUG_STAGES
+
+
+class Task(ctypes.Structure):
+    _fields_ = [("op", c_uint8), ("layer", c_uint8), ("x", c_uint16), ("y", c_uint16), ("z", c_uint16),
+                ("wait", c_int32), ("target", c_uint32), ("signal", c_int32)]
+
+
+TASK_DTYPE = np.dtype([("op", "u1"), ("layer", "u1"), ("x", "<u2"), ("y", "<u2"), ("z", "<u2"),
+                       ("wait", "<i4"), ("target", "<u4"), ("signal", "<i4")], align=True)
+assert TASK_DTYPE.itemsize == ctypes.sizeof(Task)
+
+
+class Plan(ctypes.Structure):
+    _fields_ = [(name, c_int32) for name in (
+        "batch", "expert_slots", "qkv_rows", "oproj_rows", "moe_cols", "moe_down_rows", "dense_cols",
+        "dense_down_rows", "lm_rows", "lm_tiles", "max_splits", "num_counters")]
+
+
+class Geometry(ctypes.Structure):
+    _fields_ = [(name, c_int32) for name in (
+        "hidden", "num_layers", "num_heads", "num_kv_heads", "head_dim", "num_experts", "top_k", "moe_inter",
+        "dense_inter", "vocab", "sliding_window", "page_size")] + [
+        ("rope_theta", c_float), ("norm_eps", c_float), ("logit_scale", c_float),
+        ("dense", POINTER(c_uint8)), ("sliding", POINTER(c_uint8)), ("rope", POINTER(c_uint8))]
+
+
+class Layer(ctypes.Structure):
+    _fields_ = [(name, c_void_p) for name in (
+        "norm", "qkv", "o", "gate_up", "down", "router", "experts_gate_up", "experts_down")] + [
+        ("kv_group", c_int32), ("kv_slot", c_int32)]
+
+
+class Weights(ctypes.Structure):
+    _fields_ = [("embed", c_void_p), ("final_norm", c_void_p), ("layers", POINTER(Layer)),
+                ("kv_pages", c_void_p * KV_MAX_GROUPS)]
+
+
+class StepArgs(ctypes.Structure):
+    _fields_ = [("batch", c_uint32), ("host_positions", POINTER(c_int32)), ("tokens", c_void_p),
+                ("positions", c_void_p), ("block_tables", c_void_p * KV_MAX_GROUPS), ("table_cols", c_uint32),
+                ("logits", c_void_p), ("next_tokens", c_void_p)]
+
+
+_PROTOTYPES = {
+    # nmk_status nmk_schedule_create(const nmk_mk_geometry *, uint32_t num_sms, const int32_t *context_lens,
+    #                                uint32_t batch, nmk_schedule **out)
+    "nmk_schedule_create": (c_int32, [POINTER(Geometry), c_uint32, POINTER(c_int32), c_uint32, POINTER(c_void_p)]),
+    # void nmk_schedule_destroy(nmk_schedule *)
+    "nmk_schedule_destroy": (None, [c_void_p]),
+    # nmk_status nmk_schedule_plan(const nmk_schedule *, nmk_plan *out)
+    "nmk_schedule_plan": (c_int32, [c_void_p, POINTER(Plan)]),
+    # nmk_status nmk_schedule_tasks(const nmk_schedule *, const nmk_task **, const uint32_t **, uint32_t *)
+    "nmk_schedule_tasks": (c_int32, [c_void_p, POINTER(POINTER(Task)), POINTER(POINTER(c_uint32)), POINTER(c_uint32)]),
+    # nmk_status nmk_schedule_check(const nmk_mk_geometry *, const nmk_plan *, const nmk_task *,
+    #                               const uint32_t *sm_offsets, uint32_t num_sms)
+    "nmk_schedule_check": (c_int32, [POINTER(Geometry), POINTER(Plan), c_void_p, c_void_p, c_uint32]),
+    # nmk_status nmk_mk_create(const nmk_mk_geometry *, const nmk_mk_weights *, nmk_mk **out)
+    "nmk_mk_create": (c_int32, [POINTER(Geometry), POINTER(Weights), POINTER(c_void_p)]),
+    # void nmk_mk_destroy(nmk_mk *)
+    "nmk_mk_destroy": (None, [c_void_p]),
+    # nmk_status nmk_mk_num_sms(const nmk_mk *, uint32_t *out)
+    "nmk_mk_num_sms": (c_int32, [c_void_p, POINTER(c_uint32)]),
+    # nmk_status nmk_mk_debug_bytes(const nmk_mk *, uint64_t *out)
+    "nmk_mk_debug_bytes": (c_int32, [c_void_p, POINTER(c_uint64)]),
+    # nmk_status nmk_mk_set_debug(nmk_mk *, void *buffer, uint64_t bytes)
+    "nmk_mk_set_debug": (c_int32, [c_void_p, c_void_p, c_uint64]),
+    # nmk_status nmk_mk_step(nmk_mk *, const nmk_mk_step_args *, void *stream)
+    "nmk_mk_step": (c_int32, [c_void_p, POINTER(StepArgs), c_void_p]),
+}
+
+
+def _lib() -> ctypes.CDLL:
+    lib = load()
+    if not getattr(lib, "_mk_bound", False):
+        for name, (restype, argtypes) in _PROTOTYPES.items():
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = restype, argtypes
+        lib._mk_bound = True
+    return lib
+
+
+def unsupported_reason(config: ModelConfig) -> str | None:
+    """Why the megakernel cannot run this model, or None."""
+    if config.norm_kind != "rms":
+        return "the megakernel implements RMSNorm only"
+    if config.expert_selection != "sigmoid" or config.norm_topk_prob:
+        return "the megakernel implements sigmoid routing without renormalization only"
+    if config.num_shared_experts:
+        return "the megakernel has no shared experts"
+    if config.head_dim != 128 or config.gqa_group > 8 or config.top_k > 8:
+        return "the megakernel needs head_dim 128, at most 8 query heads per kv head and top_k <= 8"
+    return None
+
+
+class _GeometryRef:
+    """A Geometry plus the flag arrays it points into (kept alive together)."""
+
+    def __init__(self, config: ModelConfig):
+        n = config.num_layers
+        self.dense = (c_uint8 * n)(*[int(t == "dense") for t in config.mlp_types])
+        self.sliding = (c_uint8 * n)(*[int(t == SLIDING) for t in config.layer_types])
+        self.rope = (c_uint8 * n)(*[int(r) for r in config.rope_layers])
+        self.value = Geometry(
+            hidden=config.hidden_size, num_layers=n, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim, num_experts=config.num_experts, top_k=config.top_k,
+            moe_inter=config.moe_intermediate_size, dense_inter=config.dense_intermediate_size,
+            vocab=config.vocab_size, sliding_window=config.sliding_window or 0, page_size=PAGE_SIZE,
+            rope_theta=config.rope_theta, norm_eps=config.norm_eps, logit_scale=config.logit_scale,
+            dense=self.dense, sliding=self.sliding, rope=self.rope)
+
+
+def _plan_dict(plan: Plan) -> dict[str, int]:
+    return {name: getattr(plan, name) for name, _ in Plan._fields_}
+
+
+class Schedule:
+    """Per-SM task lists of one decode step of len(context_lens) rows."""
+
+    def __init__(self, config: ModelConfig, num_sms: int, context_lens: list[int]):
+        lib = _lib()
+        self._geometry = _GeometryRef(config)
+        lens = (c_int32 * len(context_lens))(*context_lens)
+        handle = c_void_p()
+        check(lib.nmk_schedule_create(byref(self._geometry.value), num_sms, lens, len(context_lens), byref(handle)))
+        try:
+            plan = Plan()
+            check(lib.nmk_schedule_plan(handle, byref(plan)))
+            tasks, offsets, n = POINTER(Task)(), POINTER(c_uint32)(), c_uint32()
+            check(lib.nmk_schedule_tasks(handle, byref(tasks), byref(offsets), byref(n)))
+            self.sm_offsets = np.ctypeslib.as_array(offsets, (n.value + 1,)).copy()
+            count = int(self.sm_offsets[-1])
+            raw = ctypes.string_at(ctypes.cast(tasks, c_void_p), count * ctypes.sizeof(Task))
+            self.tasks = np.frombuffer(raw, dtype=TASK_DTYPE).copy()
+            self.plan = _plan_dict(plan)
+        finally:
+            lib.nmk_schedule_destroy(handle)
+
+    @property
+    def num_sms(self) -> int:
+        return len(self.sm_offsets) - 1
+
+    def tasks_of(self, sm: int) -> np.ndarray:
+        return self.tasks[self.sm_offsets[sm]:self.sm_offsets[sm + 1]]
+
+
+def check_schedule(config: ModelConfig, plan: dict[str, int], tasks: np.ndarray, sm_offsets: np.ndarray) -> None:
+    """Raises NativeError naming the first violation when the task lists are unsafe to run."""
+    geometry = _GeometryRef(config)
+    tasks = np.ascontiguousarray(tasks, dtype=TASK_DTYPE)
+    offsets = np.ascontiguousarray(sm_offsets, dtype=np.uint32)
+    c_plan = Plan(**plan)
+    check(_lib().nmk_schedule_check(byref(geometry.value), byref(c_plan), tasks.ctypes.data, offsets.ctypes.data,
+                                    len(offsets) - 1))
+
+
+@dataclass
+class MegakernelTrace:
+    """What the last step recorded (Megakernel.enable_debug), rows [:batch] of each:
+    x, attn, mlp fp32 [L + 1, B, H]: per layer l the residual entering it (l = L: entering
+    the final norm), and the o-proj and mlp outputs of layer l - 1 (zero at l = 0);
+    experts int64 [L, B, K]: each row's routed experts, ascending (-1 on dense layers)."""
+
+    x: torch.Tensor
+    attn: torch.Tensor
+    mlp: torch.Tensor
+    experts: torch.Tensor
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class Megakernel:
+    """The whole decode forward pass of `config` as one persistent kernel per step.
+
+    Weights and KV pages stay owned by the caller and must outlive this object; the kernel
+    reads and writes them in place (k, v of each step's token go into `kv`).
+    """
+
+    def __init__(self, config: ModelConfig, weights: ModelWeights, kv: PagedKVCache):
+        reason = unsupported_reason(config)
+        if reason:
+            raise ValueError(reason)
+        if weights.dtype != torch.bfloat16 or weights.device.type != "cuda":
+            raise ValueError("the megakernel needs bf16 weights on a CUDA device")
+        if weights.lm_head is not None:
+            raise ValueError("the megakernel needs tied embeddings (lm_head is embed)")
+        self.config, self.weights, self.kv = config, weights, kv
+        self._geometry = _GeometryRef(config)
+        self._layers = (Layer * config.num_layers)()
+        for i, lw in enumerate(weights.layers):
+            self._layers[i] = Layer(
+                norm=_ptr(lw.norm), qkv=_ptr(lw.qkv), o=_ptr(lw.o), gate_up=_ptr(lw.gate_up), down=_ptr(lw.down),
+                router=_ptr(lw.router), experts_gate_up=_ptr(lw.experts_gate_up), experts_down=_ptr(lw.experts_down),
+                kv_group=config.layer_group[i], kv_slot=config.layer_slot[i])
+        pages = (c_void_p * KV_MAX_GROUPS)(*[p.data_ptr() for p in kv.pages])
+        w = Weights(embed=_ptr(weights.embed), final_norm=_ptr(weights.final_norm), layers=self._layers, kv_pages=pages)
+        self._handle = c_void_p()
+        with torch.cuda.device(weights.device):
+            check(_lib().nmk_mk_create(byref(self._geometry.value), byref(w), byref(self._handle)))
+        n = c_uint32()
+        check(_lib().nmk_mk_num_sms(self._handle, byref(n)))
+        self.num_sms = n.value
+
+    def close(self) -> None:
+        if getattr(self, "_handle", None):
+            _lib().nmk_mk_destroy(self._handle)
+            self._handle = None
+
+    __del__ = close
+
+    def enable_debug(self) -> None:
+        """Record every later step's per-layer residual, attention and mlp outputs and routing."""
+        size = c_uint64()
+        check(_lib().nmk_mk_debug_bytes(self._handle, byref(size)))
+        self._debug = torch.full((size.value // 4,), -1, dtype=torch.int32, device=self.weights.device)
+        check(_lib().nmk_mk_set_debug(self._handle, self._debug.data_ptr(), size.value))
+
+    def trace(self, batch: int) -> MegakernelTrace:
+        """The records of the last step (enable_debug first) for its `batch` rows."""
+        if getattr(self, "_debug", None) is None:
+            raise RuntimeError("call enable_debug() before the step to trace")
+        c = self.config
+        floats = (c.num_layers + 1) * DEBUG_STAGES * MAX_BATCH * c.hidden_size
+        stages = self._debug[:floats].view(torch.float32).view(c.num_layers + 1, DEBUG_STAGES, MAX_BATCH, c.hidden_size)
+        experts = self._debug[floats:].view(c.num_layers, MAX_BATCH, c.top_k)[:, :batch].long()
+        x, attn, mlp = (stages[:, s, :batch].clone() for s in DebugStage)
+        return MegakernelTrace(x, attn, mlp, experts)
+
+    def step(self, tokens: torch.Tensor, positions: list[int], block_tables: list[torch.Tensor],
+             logits: torch.Tensor | None = None, next_tokens: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step on the current stream. tokens int32 [B] (device); positions: host
+        list of each row's new position; block_tables per group int32 [B, cols] (device).
+        Returns (logits fp32 [B, V], greedy next tokens int32 [B])."""
+        b = len(positions)
+        dev = self.weights.device
+        if not 1 <= b <= MAX_BATCH or tokens.shape != (b,):
+            raise ValueError(f"need 1..{MAX_BATCH} rows with one token each, got {tuple(tokens.shape)} / {b}")
+        if len(block_tables) != len(self.kv.pages):
+            raise ValueError(f"need {len(self.kv.pages)} block tables, got {len(block_tables)}")
+        tables = [t.to(dev, torch.int32).contiguous() for t in block_tables]
+        if any(t.shape[0] != b or t.shape[1] != tables[0].shape[1] for t in tables):
+            raise ValueError("block tables must all be [B, cols]")
+        tokens = tokens.to(dev, torch.int32).contiguous()
+        pos_dev = torch.tensor(positions, dtype=torch.int32, device=dev)
+        if logits is None:
+            logits = torch.empty(b, self.config.vocab_size, dtype=torch.float32, device=dev)
+        if next_tokens is None:
+            next_tokens = torch.empty(b, dtype=torch.int32, device=dev)
+        host_pos = (c_int32 * b)(*positions)
+        args = StepArgs(batch=b, host_positions=host_pos, tokens=tokens.data_ptr(), positions=pos_dev.data_ptr(),
+                        table_cols=tables[0].shape[1], logits=logits.data_ptr(), next_tokens=next_tokens.data_ptr())
+        for g, t in enumerate(tables):
+            args.block_tables[g] = t.data_ptr()
+        stream = torch.cuda.current_stream(dev).cuda_stream
+        check(_lib().nmk_mk_step(self._handle, byref(args), stream))
+        self._keep = (tokens, pos_dev, tables)  # alive until the next step is enqueued
+        return logits, next_tokens

@@ -1,0 +1,168 @@
+"""One decode step of the megakernel against the PyTorch reference, at full North geometry.
+
+Routing is checked on the kernel's own input at every layer (its experts must be the
+reference's top-k up to bf16 noise) and then shared with the reference, so the logits
+compare everything else end to end (northmk.megakernel_oracle)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from northmk.checkpoint import synthetic_weights
+from northmk.config import PAGE_SIZE, ModelConfig
+from northmk.megakernel import Megakernel
+from northmk.megakernel_oracle import AGREE, LOGIT_NOISE, clear_argmax, cosine, first_divergence, layer_report, reference_step
+from northmk.model.kv import BatchLayout, PagedKVCache
+
+pytestmark = pytest.mark.gpu
+
+
+def north(num_layers: int = 49) -> ModelConfig:
+    return ModelConfig.from_dict({
+        "model_type": "cohere2_moe", "hidden_size": 2048, "num_hidden_layers": num_layers,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 262144,
+        "num_experts": 128, "num_experts_per_tok": 8, "intermediate_size": 768,
+        "prefix_dense_intermediate_size": 3072, "first_k_dense_replace": 1, "sliding_window": 4096,
+        "rope_theta": 50000.0, "rms_norm_eps": 1e-6, "expert_selection_fn": "sigmoid", "norm_topk_prob": False,
+        "logit_scale": 1.0, "tie_word_embeddings": True, "max_position_embeddings": 16384,
+    })
+
+
+@pytest.fixture(scope="module")
+def full():
+    config = north()
+    return config, synthetic_weights(config, torch.bfloat16, "cuda", seed=0)
+
+
+def noisy_cache(config: ModelConfig, rows: int, max_len: int, seed: int):
+    """A KV cache of noise with rows consecutive blocks of pages, and its block tables."""
+    per_row = -(-max_len // PAGE_SIZE)
+    kv = PagedKVCache(config, [rows * per_row] * len(config.attention_groups), torch.bfloat16, "cuda")
+    gen = torch.Generator("cuda").manual_seed(seed)
+    for pages in kv.pages:
+        pages.normal_(generator=gen)
+    table = torch.arange(rows * per_row, dtype=torch.int32, device="cuda").view(rows, per_row)
+    return kv, [table.clone() for _ in kv.pages]
+
+
+def copy_cache(config: ModelConfig, kv: PagedKVCache) -> PagedKVCache:
+    out = PagedKVCache(config, kv.num_pages, torch.bfloat16, "cuda")
+    for a, b in zip(out.pages, kv.pages):
+        a.copy_(b)
+    return out
+
+
+def step_both(config, weights, contexts: list[int], seed: int = 1):
+    rows, max_len = len(contexts), max(contexts)
+    kv_mk, tables = noisy_cache(config, rows, max_len, seed)
+    kv_ref = copy_cache(config, kv_mk)
+    tokens = torch.randint(0, config.vocab_size, (rows,), device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
+    positions = [c - 1 for c in contexts]
+    mk = Megakernel(config, weights, kv_mk)
+    mk.enable_debug()
+    logits, next_tokens = mk.step(tokens, positions, tables)
+    torch.cuda.synchronize()
+    trace = mk.trace(rows)
+    layout = BatchLayout([1] * rows, positions, tables)
+    oracle = reference_step(config, weights, tokens, layout, kv_ref, trace=trace)
+    return logits, next_tokens, trace, oracle, kv_mk, kv_ref, layout
+
+
+def assert_matches(logits, next_tokens, trace, oracle):
+    assert not oracle.routing_errors, oracle.routing_errors[:3]
+    where = first_divergence(layer_report(trace, oracle))
+    for r in range(oracle.logits.shape[0]):
+        ref = oracle.logits[r]
+        cos = cosine(logits[r], ref)
+        assert cos >= AGREE, f"row {r}: logits cosine {cos:.5f}; first divergence: {where}"
+        if clear_argmax(ref):
+            assert next_tokens[r].item() == ref.argmax().item(), f"row {r}: argmax differs"
+        assert next_tokens[r].item() == logits[r].argmax().item()
+
+
+def assert_same_new_kv(config, kv_mk, kv_ref, layout):
+    """The new tokens' k, v went to the same place with the same values, in every layer,
+    and nothing else in the cache changed."""
+    for layer in range(config.num_layers):
+        a, b = kv_mk.layer_view(layer).clone(), kv_ref.layer_view(layer).clone()
+        table = layout.block_tables[config.layer_group[layer]]
+        for r, pos in enumerate(layout.start_positions):
+            page, slot = table[r, pos // PAGE_SIZE].item(), pos % PAGE_SIZE
+            assert cosine(a[page, :, :, slot], b[page, :, :, slot]) >= AGREE, f"layer {layer} row {r}: new k, v differ"
+            a[page, :, :, slot] = b[page, :, :, slot] = 0
+        assert torch.equal(a, b), f"layer {layer}: the kernel wrote outside the new tokens' slots"
+
+
+def test_ragged_contexts_match_the_reference_at_full_geometry(full):
+    config, weights = full
+    contexts = [1, 100, 4095, 4096, 4097, 8192]
+    logits, next_tokens, trace, oracle, kv_mk, kv_ref, layout = step_both(config, weights, contexts)
+    assert_matches(logits, next_tokens, trace, oracle)
+    assert_same_new_kv(config, kv_mk, kv_ref, layout)
+
+
+@pytest.mark.parametrize("contexts", [[8192], [8192, 3, 700, 4097, 8000, 64, 65, 2]])
+def test_batch_one_and_eight_match_the_reference(full, contexts):
+    config, weights = full
+    logits, next_tokens, trace, oracle, *_ = step_both(config, weights, contexts, seed=len(contexts))
+    assert_matches(logits, next_tokens, trace, oracle)
+
+
+def test_every_layer_alone_matches_the_reference_fed_the_kernels_input(full):
+    config, weights = full
+    contexts = [4097, 33]
+    _, _, trace, _, _, _, layout = step_both(config, weights, contexts, seed=9)
+    kv_ref, _ = noisy_cache(config, len(contexts), max(contexts), seed=9)
+    local = reference_step(config, weights, torch.zeros(2, dtype=torch.int32), layout, kv_ref, trace=trace, teacher=True)
+    assert not local.routing_errors, local.routing_errors[:3]
+    assert first_divergence(layer_report(trace, local)) is None
+
+
+def test_one_kernel_launch_per_step(full):
+    config, weights = full
+    kv, tables = noisy_cache(config, 2, 256, seed=3)
+    mk = Megakernel(config, weights, kv)
+    tokens = torch.tensor([5, 7], dtype=torch.int32, device="cuda")
+    mk.step(tokens, [100, 200], tables)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        mk.step(tokens, [100, 200], tables)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and "emcpy" not in e.name
+               and "emset" not in e.name]
+    assert len(kernels) == 1 and "megakernel" in kernels[0].name, [e.name for e in kernels]
+
+
+def test_greedy_steps_of_a_reduced_model_equal_the_reference():
+    config = north(num_layers=4)
+    weights = synthetic_weights(config, torch.bfloat16, "cuda", seed=7)
+    contexts = [37, 300]
+    kv_mk, tables = noisy_cache(config, 2, 300 + 64, seed=5)
+    kv_ref = copy_cache(config, kv_mk)
+    mk = Megakernel(config, weights, kv_mk)
+    mk.enable_debug()
+    tokens = torch.tensor([11, 13], dtype=torch.int32, device="cuda")
+    positions = [c - 1 for c in contexts]
+    for step in range(64):
+        _, next_mk = mk.step(tokens, positions, tables)
+        torch.cuda.synchronize()
+        layout = BatchLayout([1, 1], positions, tables)
+        oracle = reference_step(config, weights, tokens, layout, kv_ref, trace=mk.trace(2))
+        assert not oracle.routing_errors, f"step {step}: {oracle.routing_errors[:2]}"
+        for r in range(2):
+            ref = oracle.logits[r]
+            if clear_argmax(ref):
+                assert next_mk[r].item() == ref.argmax().item(), f"step {step} row {r}"
+            else:  # a tie within noise: either token is the greedy one
+                assert ref[next_mk[r]].item() >= ref.max().item() - LOGIT_NOISE * ref.abs().max().item()
+        tokens = next_mk.clone()
+        positions = [p + 1 for p in positions]
+
+
+@pytest.mark.parametrize("num_layers", [1, 2, 4])
+def test_reduced_layer_steps_match_the_reference(num_layers):
+    config = north(num_layers=num_layers)
+    weights = synthetic_weights(config, torch.bfloat16, "cuda", seed=num_layers)
+    logits, next_tokens, trace, oracle, *_ = step_both(config, weights, [1, 100, 4097])
+    assert_matches(logits, next_tokens, trace, oracle)

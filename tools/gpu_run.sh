@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# THE device script: install carried wheels, build libnorthmk with CUDA, then each stage
+# that is switched on; logs under $OUT, a short table last.
+#   SANITIZE=1  compute-sanitizer memcheck + racecheck on one step of a small 2-layer model
+#   DIAG=1      per-layer divergence of full-geometry steps (tools/mk_diagnose.py)
+#   TESTS=1     the GPU tests (pytest -k "$1")        BENCH=1  the decode benchmark (args after $1)
+#   tools/gpu_run.sh [pytest -k expr] [bench args...]
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+SANITIZE=${SANITIZE:-0} DIAG=${DIAG:-0} TESTS=${TESTS:-1} BENCH=${BENCH:-1}
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PATH=$PATH:/usr/local/cuda/bin
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader | tee "$OUT/device.txt"
+
+t0=$(date +%s)
+cmake -S . -B build/gpu -G Ninja -DNORTHMK_CUDA=auto -DCMAKE_CUDA_FLAGS="-Xptxas -v" >"$OUT/build.log" 2>&1 \
+  && cmake --build build/gpu -j 16 >>"$OUT/build.log" 2>&1
+build_rc=$?
+grep -E "registers|spill|error" "$OUT/build.log" | sort | uniq -c | head -12
+export NORTHMK_LIB=$PWD/build/gpu/libnorthmk.so
+echo "build rc=$build_rc in $(( $(date +%s) - t0 ))s"
+[ $build_rc -eq 0 ] || { tail -40 "$OUT/build.log"; exit 1; }
+
+san_rc=- diag_rc=- tests_rc=- bench_rc=-
+if [ "$SANITIZE" = 1 ]; then
+  for tool in memcheck racecheck; do
+    t0=$(date +%s)
+    timeout 75 compute-sanitizer --tool $tool --error-exitcode 9 --print-limit 20 \
+      python3 tools/mk_diagnose.py --small --layers 2 --contexts 1 200 >"$OUT/sanitize-$tool.log" 2>&1
+    rc=$?; san_rc="$san_rc $tool=$rc"
+    echo "$tool rc=$rc in $(( $(date +%s) - t0 ))s"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Invalid|hazard|first divergence|^row" "$OUT/sanitize-$tool.log" | head -5
+  done
+fi
+if [ "$DIAG" = 1 ]; then
+  t0=$(date +%s)
+  { timeout 80 python3 tools/mk_diagnose.py --layers 49 --contexts 1 100 4095 4097 8192 --out "$OUT";
+    timeout 50 python3 tools/mk_diagnose.py --layers 4 --contexts 37 300 --steps 3 --out "$OUT"; } >"$OUT/diag.log" 2>&1
+  diag_rc=$?
+  echo "diag rc=$diag_rc in $(( $(date +%s) - t0 ))s"
+fi
+if [ "$TESTS" = 1 ]; then
+  t0=$(date +%s)
+  timeout 240 python3 -m pytest tests/gpu -q ${GPU_TEST_FLAGS:--x} -p no:cacheprovider ${1:+-k "$1"} 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
+  tests_rc=${PIPESTATUS[0]}
+  echo "gpu tests rc=$tests_rc in $(( $(date +%s) - t0 ))s"
+fi
+if [ "$BENCH" = 1 ]; then
+  t0=$(date +%s)
+  shift || true
+  timeout 150 python3 -m northmk.bench decode --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | tail -12
+  bench_rc=${PIPESTATUS[0]}
+  echo "bench rc=$bench_rc in $(( $(date +%s) - t0 ))s"
+fi
+echo "== summary: build $build_rc, sanitize [$san_rc], diag $diag_rc, tests $tests_rc, bench $bench_rc"
+[ "$DIAG" = 1 ] && grep -E "^ +(0|1|2|3|4|48|49) |^row|first divergence|routing errors" "$OUT/diag.log" | head -40
+[ "$TESTS" = 1 ] && grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -3
+[ "$BENCH" = 1 ] && grep -E "^batch|copy bandwidth" "$OUT/bench.log"
+exit 0
