@@ -1,0 +1,357 @@
+"""The scheduler coroutine: waiting queue -> prefill -> decode rows of the native loop -> finish.
+
+Threads: the event loop runs this scheduler and the loop-fd reader; the native loop thread
+calls `decode_step`; prefill chunks run on a one-thread executor. The batch (rows, and the
+Sequence <-> pool-id map the step reads) changes only while the loop is parked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import math
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from .. import native
+from .config import EngineConfig
+from .metrics import EngineMetrics
+from .runner import TorchRunner
+from .sampling import sample_rows
+from .sequence import RequestState, Sequence, SeqStatus
+from .types import EngineDead
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, runner: TorchRunner, pool: native.KVPool,
+                 metrics: EngineMetrics, eos_ids: tuple[int, ...]):
+        self.config = config
+        self.runner = runner
+        self.pool = pool
+        self.metrics = metrics
+        self.eos_ids = eos_ids
+        self.groups = range(len(runner.config.attention_groups))
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.rows: dict[int, Sequence] = {}  # slot -> running sequence
+        self.by_kv: dict[int, Sequence] = {}  # pool id -> sequence holding KV
+        self.requests: dict[str, RequestState] = {}
+        self.free_slots = list(range(config.max_batch))
+        self.loop = native.DecodeLoop(pool, self.decode_step, max_rows=config.max_batch)
+        self.fd = self.loop.fileno()
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="northmk-prefill")
+        self.wake = asyncio.Event()
+        self.dead: BaseException | None = None
+        self.stopping = False
+        self._loop_running = False
+        self._park_waiters: list[asyncio.Future] = []
+        self._loop_no_space = False
+
+    # ---- the loop thread ----------------------------------------------------------------
+    def decode_step(self, batch: native.StepInput) -> tuple[list[int], list[float]]:
+        """One decode step for the loop's rows: the reference model, then per-row sampling."""
+        seqs = [self.by_kv[int(s)] for s in batch.seqs]
+        slots = torch.from_numpy(batch.slots.astype(np.int64))
+        tables = [torch.from_numpy(self.pool.block_table(g))[slots] for g in self.groups]
+        logits = self.runner.decode(batch.tokens.tolist(), batch.positions.tolist(), tables)
+        results = sample_rows(logits, [s.sampler for s in seqs])
+        for seq, (token, lp) in zip(seqs, results):
+            seq.output_ids.append(token)
+            seq.pending_logprobs.append(lp)
+        return [t for t, _ in results], [lp.logprob if lp else math.nan for _, lp in results]
+
+    # ---- events from the loop (event-loop thread) ----------------------------------------
+    def on_loop_fd(self) -> None:
+        try:
+            # State first: once parked, the drain that follows holds every token published.
+            parked = self.loop.state == native.LoopState.PARKED
+            touched: set[RequestState] = set()
+            for event in self.loop.drain():
+                self._on_token(event, touched)
+            for req in touched:
+                req.publish()
+            if parked and self._loop_running:
+                self._on_parked(self.loop.park_status)
+        except Exception as exc:  # a broken invariant: stop serving rather than hang
+            self.die(exc)
+
+    def _on_token(self, event: native.Event, touched: set[RequestState]) -> None:
+        seq = self.by_kv.get(event.seq)
+        if seq is None or seq.output.finished:
+            return  # decoded past a stop string, or aborted: dropped
+        logprob = seq.pending_logprobs.popleft()
+        now = time.monotonic()
+        self.metrics.generation_tokens.inc()
+        if seq.last_token_time is not None:
+            self.metrics.itl.observe(now - seq.last_token_time)
+        seq.last_token_time = now
+        if seq.output.accept(event.token, logprob):
+            self.wake.set()
+        assert seq.output.finished or not event.finished, f"loop finished seq {event.seq} the engine did not"
+        touched.add(seq.request)
+
+    def _on_parked(self, status: native.Status) -> None:
+        self._loop_running = False
+        if status == native.Status.ERR_NO_SPACE:
+            self._loop_no_space = True
+        elif status != native.Status.OK:
+            cause = self.loop.step_error
+            self.die(EngineDead(f"decode step failed: {self.loop.park_message} ({cause!r})"))
+            return
+        for fut in self._park_waiters:
+            if not fut.done():
+                fut.set_result(None)
+        self._park_waiters.clear()
+        self.wake.set()
+
+    # ---- park / resume --------------------------------------------------------------------
+    async def park(self) -> None:
+        if not self._loop_running:
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self._park_waiters.append(fut)
+        self.loop.request_park()
+        await fut
+
+    def resume(self) -> None:
+        if self._loop_running or self.dead or not any(not s.output.finished for s in self.rows.values()):
+            return
+        self._loop_no_space = False
+        self.loop.resume()
+        self._loop_running = True
+
+    # ---- the scheduler coroutine ----------------------------------------------------------
+    async def run(self) -> None:
+        try:
+            while not self.stopping:
+                await self.wake.wait()
+                self.wake.clear()
+                await self.schedule()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.die(exc)
+
+    async def schedule(self) -> None:
+        await self.reap()
+        if self._loop_no_space:
+            await self.preempt_lowest()
+        await self.admit()
+        self.resume()
+        self.update_gauges()
+
+    async def reap(self) -> None:
+        """Remove finished (or aborted) rows and free their pages."""
+        done = [s for s in self.rows.values() if s.output.finished]
+        if not done:
+            return
+        await self.park()
+        for seq in done:
+            self._release(seq, SeqStatus.FINISHED)
+        self._retire_requests()
+
+    async def preempt_lowest(self) -> bool:
+        """Free the KV of the most recently admitted running sequence; it will recompute."""
+        running = [s for s in self.rows.values() if not s.output.finished]
+        if not running:
+            self._loop_no_space = False
+            return False
+        await self.park()
+        victim = max(running, key=lambda s: s.order)
+        self._release(victim, SeqStatus.WAITING)
+        victim.num_preemptions += 1
+        self.metrics.num_preemptions.inc()
+        self.waiting.appendleft(victim)
+        return True
+
+    def _release(self, seq: Sequence, status: SeqStatus) -> None:
+        if seq.slot is not None:
+            self.loop.remove_row(seq.slot)
+            del self.rows[seq.slot]
+            self.free_slots.append(seq.slot)
+            seq.slot = None
+        if seq.kv_seq is not None:
+            self.pool.free(seq.kv_seq)
+            self.by_kv.pop(seq.kv_seq, None)
+            seq.kv_seq = None
+        if status == SeqStatus.WAITING:
+            # Tokens sampled past the last one processed cannot exist: the loop is parked and drained.
+            assert len(seq.output_ids) == seq.output.num_generated and not seq.pending_logprobs
+        seq.pending_logprobs.clear()
+        seq.status = status
+
+    def _retire_requests(self) -> None:
+        for rid, req in list(self.requests.items()):
+            if req.all_finished and not any(s.kv_seq is not None for s in req.seqs):
+                req.publish()
+                del self.requests[rid]
+                reason = req.seqs[0].output.finish_reason
+                self.metrics.request_finished(reason.value if reason else "abort", time.monotonic() - req.arrival)
+
+    # ---- admission and prefill ------------------------------------------------------------
+    async def admit(self) -> None:
+        while self.waiting and not self.dead and not self.stopping:
+            lead = self.waiting[0]
+            group = [lead] if lead.request.prefilled else lead.request.seqs
+            if len(self.free_slots) < len(group):
+                return
+            self.waiting.popleft()
+            if not await self.prefill(lead, group):
+                self.waiting.appendleft(lead)
+                return
+            await self.reap()
+            if self._loop_no_space:
+                await self.preempt_lowest()
+
+    async def prefill(self, lead: Sequence, group: list[Sequence]) -> bool:
+        """Compute the KV of the lead's tokens, start its (forked) choices as loop rows.
+
+        False: no pages even after preempting every lower-priority row; nothing is held.
+        """
+        req = lead.request
+        tokens = lead.recompute_ids if req.prefilled else req.request.prompt_token_ids
+        for seq in group:
+            seq.status = SeqStatus.PREFILLING
+        await self.park()  # a prefix-cache hit must not see pages whose KV a step is writing
+        kv, cached = self.pool.create_sequence(tokens)
+        lead.kv_seq = kv
+        self.by_kv[kv] = lead
+        self.resume()
+        if not req.prefilled:
+            req.num_cached_tokens = cached
+            self.metrics.prefix_cache_queries.inc(len(tokens))
+            self.metrics.prefix_cache_hits.inc(cached)
+        logits, pos = None, cached
+        while pos < len(tokens):
+            if lead.output.finished:  # aborted while prefilling
+                break
+            chunk = tokens[pos: pos + self.config.prefill_chunk]
+            try:
+                self.pool.append(kv, chunk)
+            except native.NoSpace:
+                if not await self._make_room(lead):
+                    self._release(lead, SeqStatus.WAITING)
+                    return False
+                continue
+            tables = [torch.as_tensor(self.pool.seq_block_table(kv, g)) for g in self.groups]
+            logits = await asyncio.get_running_loop().run_in_executor(
+                self.executor, self.runner.prefill, chunk, pos, tables)
+            pos += len(chunk)
+            await self.reap()  # between chunks, so finished and cancelled rows leave promptly
+            if self._loop_no_space:
+                await self.preempt_lowest()
+        if lead.output.finished:
+            for seq in group:
+                self._release(seq, SeqStatus.FINISHED)
+            self._retire_requests()
+            return True
+        if not req.prefilled:
+            req.prefilled = True
+            self.metrics.prompt_tokens.inc(len(tokens))
+            if not await self._start_choices(lead, group, logits):
+                return True
+        await self._add_rows(group)
+        return True
+
+    async def _make_room(self, seq: Sequence) -> bool:
+        running = [s for s in self.rows.values() if not s.output.finished]
+        await self.reap()
+        if not running or max(s.order for s in running) < seq.order:
+            return False
+        return await self.preempt_lowest()
+
+    async def _start_choices(self, lead: Sequence, group: list[Sequence], logits: torch.Tensor) -> bool:
+        """Fork the prompt's pages to every choice and sample each one's first token."""
+        req = lead.request
+        for seq in group[1:]:
+            child, copies = self.pool.fork(lead.kv_seq)
+            for group_id, src, dst in copies:
+                self.runner.copy_page(group_id, src, dst)
+            seq.kv_seq = child
+            self.by_kv[child] = seq
+        req.first_token_time = now = time.monotonic()
+        self.metrics.ttft.observe(now - req.arrival)
+        for seq in group:
+            [(token, lp)] = sample_rows(logits.unsqueeze(0), [seq.sampler])
+            seq.output_ids.append(token)
+            seq.last_token_time = now
+            seq.output.accept(token, lp)
+            self.metrics.generation_tokens.inc()
+        req.publish()
+        for seq in group:
+            if seq.output.finished:
+                self._release(seq, SeqStatus.FINISHED)
+        self._retire_requests()
+        return any(not s.output.finished for s in group)
+
+    async def _add_rows(self, group: list[Sequence]) -> None:
+        await self.park()
+        for seq in group:
+            if seq.output.finished:  # aborted while the loop was parking: it never becomes a row
+                self._release(seq, SeqStatus.FINISHED)
+                continue
+            p = seq.sampler.params
+            stops = ([] if p.ignore_eos else list(self.eos_ids)) + list(p.stop_token_ids)
+            seq.slot = self.free_slots.pop()
+            self.loop.add_row(
+                slot=seq.slot, seq=seq.kv_seq, last_token=seq.output_ids[-1],
+                max_new_tokens=seq.remaining,
+                min_new_tokens=max(0, p.min_tokens - len(seq.output_ids)),
+                stop_token_ids=stops,
+            )
+            self.rows[seq.slot] = seq
+            seq.status = SeqStatus.RUNNING
+        self._retire_requests()
+        self.resume()
+
+    # ---- requests in and out ---------------------------------------------------------------
+    def add(self, req: RequestState) -> None:
+        self.requests[req.request_id] = req
+        self.waiting.append(req.seqs[0])
+        self.wake.set()
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        for seq in req.seqs:
+            seq.output.abort()
+        req.done = True
+        for seq in [s for s in self.waiting if s.request is req]:
+            self.waiting.remove(seq)
+        for seq in req.seqs:
+            if seq.status == SeqStatus.WAITING:
+                seq.status = SeqStatus.FINISHED
+        self._retire_requests()
+        self.wake.set()
+
+    def die(self, exc: BaseException) -> None:
+        if self.dead is not None:
+            return
+        self.dead = exc if isinstance(exc, EngineDead) else EngineDead(f"engine failed: {exc!r}")
+        self.dead.__cause__ = exc if exc is not self.dead else None
+        for req in self.requests.values():
+            req.queue.put_nowait(self.dead)
+        self.wake.set()
+
+    async def close(self) -> None:
+        """Stop the coroutine's work, park the loop and release the native loop and executor."""
+        self.stopping = True
+        self.wake.set()
+        await self.park()
+        asyncio.get_running_loop().remove_reader(self.fd)
+        self.loop.close()
+        self.executor.shutdown(wait=True)
+
+    # ---- numbers ----------------------------------------------------------------------------
+    def kv_usage(self) -> float:
+        """Fraction of pages referenced by sequences in the fullest group."""
+        return self.pool.usage_fraction()
+
+    def update_gauges(self) -> None:
+        running = {s.request.request_id for s in self.rows.values()}
+        running |= {s.request.request_id for s in self.by_kv.values()}
+        self.metrics.num_requests_running.set(len(running))
+        self.metrics.num_requests_waiting.set(len({s.request.request_id for s in self.waiting}))
+        self.metrics.kv_cache_usage.set(self.kv_usage())

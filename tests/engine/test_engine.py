@@ -1,0 +1,194 @@
+"""The engine end to end on a tiny checkpoint: the native KV pool and decode loop driving
+the PyTorch reference model on CPU."""
+
+import asyncio
+
+import pytest
+
+from northmk.checkpoint import load_checkpoint
+from northmk.engine import AsyncEngine, EngineConfig, EngineOverloaded, FinishReason, GenerationRequest, SamplingParams
+from northmk.engine.types import RequestRejected
+from northmk.generate import generate as reference_generate
+from northmk.model.reference import ReferenceModel
+
+PROMPTS = [[2, 17, 99, 301, 5], [2] + list(range(40, 110)), [2, 900, 901], [2] + list(range(200, 330))]
+
+
+@pytest.fixture
+async def make_engine(tiny_checkpoint):
+    engines = []
+
+    async def make(**overrides):
+        engine = AsyncEngine.from_config(EngineConfig(model=tiny_checkpoint, **overrides))
+        await engine.start()
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        await engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoint):
+    config, weights = load_checkpoint(tiny_checkpoint)
+    return ReferenceModel(config, weights)
+
+
+async def settled(engine) -> dict:
+    """Stats once finished rows are reaped (that happens just after the last output)."""
+    for _ in range(200):
+        stats = engine.stats()
+        if stats["num_rows"] == 0 and stats["kv_pages_used"] == 0:
+            break
+        await asyncio.sleep(0.01)
+    return stats
+
+
+async def collect(engine, prompt, request_id, **params):
+    params.setdefault("temperature", 0.0)
+    request = GenerationRequest(request_id, list(prompt), SamplingParams(**params))
+    choices: dict[int, list[int]] = {}
+    finals = {}
+    async for out in engine.generate(request):
+        for c in out.outputs:
+            choices.setdefault(c.index, []).extend(c.token_ids)
+            if c.finished:
+                finals[c.index] = c
+    return choices, finals, out
+
+
+async def test_greedy_decode_matches_the_reference_model(make_engine, reference):
+    # 131 prompt tokens in 64-token chunks, decoding past the 80-token sliding window's
+    # first page release (position 143).
+    engine = await make_engine(prefill_chunk=64)
+    expected = reference_generate(reference, [PROMPTS[3]], max_tokens=16)[0].token_ids
+    choices, finals, last = await collect(engine, PROMPTS[3], "a", max_tokens=16, ignore_eos=True)
+    assert choices[0] == expected
+    assert finals[0].finish_reason == FinishReason.LENGTH and finals[0].num_generated == 16
+    assert last.num_prompt_tokens == len(PROMPTS[3])
+
+
+async def test_concurrent_greedy_requests_match_each_alone(make_engine):
+    engine = await make_engine(max_batch=4)
+    alone = [(await collect(engine, p, f"alone{i}", max_tokens=20, ignore_eos=True))[0][0] for i, p in enumerate(PROMPTS)]
+    together = await asyncio.gather(*[
+        collect(engine, p, f"together{i}", max_tokens=20, ignore_eos=True) for i, p in enumerate(PROMPTS)])
+    assert [t[0][0] for t in together] == alone
+
+
+async def test_preemption_under_a_tiny_page_budget_keeps_the_tokens(make_engine):
+    # Three 61-token prompts fit one page each; growing past 64 tokens each needs a second
+    # page, and 4 pages cannot hold all three: the loop runs out and the engine preempts.
+    prompts = [[2] + list(range(100 * i + 10, 100 * i + 70)) for i in range(3)]
+    roomy = await make_engine(max_batch=3)
+    alone = [(await collect(roomy, p, f"r{i}", max_tokens=30, ignore_eos=True))[0][0] for i, p in enumerate(prompts)]
+    tight = await make_engine(max_batch=3, num_kv_pages=4)
+    results = await asyncio.gather(*[
+        collect(tight, p, f"t{i}", max_tokens=30, ignore_eos=True) for i, p in enumerate(prompts)])
+    assert [r[0][0] for r in results] == alone
+    assert tight.metrics.num_preemptions._value.get() > 0
+    assert (await settled(tight))["kv_pages_used"] == 0
+
+
+async def test_closing_the_iterator_frees_row_and_pages(make_engine):
+    engine = await make_engine()
+    request = GenerationRequest("c", PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True))
+    stream = engine.generate(request)
+    await anext(stream)
+    await anext(stream)
+    assert engine.stats()["kv_pages_used"] > 0
+    await stream.aclose()
+    stats = await settled(engine)
+    assert stats["num_rows"] == 0 and stats["kv_pages_used"] == 0 and stats["num_requests_running"] == 0
+    # the engine still serves
+    choices, _, _ = await collect(engine, PROMPTS[0], "after", max_tokens=3)
+    assert len(choices[0]) >= 1
+
+
+async def test_a_stop_string_ends_the_text_before_it_and_frees_the_row(make_engine):
+    engine = await make_engine()
+    request = GenerationRequest("full", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    text = "".join([c.text async for out in engine.generate(request) for c in out.outputs])
+    stop = text[10:13]
+    assert len(stop) == 3
+    request = GenerationRequest("stop", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=[stop]))
+    outs = [c async for out in engine.generate(request) for c in out.outputs]
+    assert "".join(c.text for c in outs) == text[: text.index(stop)]
+    assert outs[-1].finish_reason == FinishReason.STOP and outs[-1].stop_reason == stop
+    stats = await settled(engine)
+    assert stats["num_rows"] == 0 and stats["kv_pages_used"] == 0
+
+
+async def test_n_choices_share_the_prompt_and_sample_independently(make_engine):
+    engine = await make_engine()
+    choices, finals, last = await collect(engine, PROMPTS[0], "n", n=3, temperature=1.0, seed=11,
+                                          max_tokens=12, ignore_eos=True)
+    assert sorted(choices) == [0, 1, 2] and all(len(c) == 12 for c in choices.values())
+    assert len({tuple(c) for c in choices.values()}) == 3
+    again, _, _ = await collect(engine, PROMPTS[0], "n2", n=3, temperature=1.0, seed=11, max_tokens=12, ignore_eos=True)
+    assert again == choices
+
+
+async def test_seeded_sampling_does_not_depend_on_the_batch(make_engine):
+    engine = await make_engine()
+    params = dict(temperature=0.9, top_p=0.95, seed=5, max_tokens=16, ignore_eos=True)
+    alone = (await collect(engine, PROMPTS[2], "s0", **params))[0][0]
+    others = [collect(engine, p, f"o{i}", temperature=1.0, max_tokens=16, ignore_eos=True) for i, p in enumerate(PROMPTS)]
+    together = await asyncio.gather(collect(engine, PROMPTS[2], "s1", **params), *others)
+    assert together[0][0][0] == alone
+
+
+async def test_logprobs_and_prefix_cache_hits(make_engine):
+    engine = await make_engine()
+    prompt = PROMPTS[3]
+    _, finals, first = await collect(engine, prompt, "p1", max_tokens=2, logprobs=2)
+    _, _, second = await collect(engine, prompt, "p2", max_tokens=2)
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens == 128  # two full 64-token pages of the 131-token prompt
+
+
+async def test_logprobs_are_reported_per_token(make_engine):
+    engine = await make_engine()
+    request = GenerationRequest("lp", PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=4, logprobs=3, ignore_eos=True))
+    lps = [lp async for out in engine.generate(request) for c in out.outputs for lp in c.logprobs]
+    assert len(lps) == 4
+    for lp in lps:
+        assert len(lp.top) == 3 and lp.top[0][0] == lp.token_id  # greedy picks the top raw token
+        assert lp.logprob == pytest.approx(lp.top[0][1])
+
+
+async def test_bad_requests_are_rejected_with_the_field(make_engine):
+    engine = await make_engine()
+    with pytest.raises(RequestRejected) as err:
+        await anext(engine.generate(GenerationRequest("bad", [2, 99999], SamplingParams())))
+    assert err.value.param == "prompt"
+    with pytest.raises(RequestRejected) as err:
+        await anext(engine.generate(GenerationRequest("bad2", [2], SamplingParams(top_p=0.0))))
+    assert err.value.param == "top_p"
+
+
+async def test_a_full_waiting_queue_answers_overloaded(make_engine):
+    engine = await make_engine(max_waiting=1, max_batch=1)
+    long = [engine.generate(GenerationRequest(f"w{i}", PROMPTS[0], SamplingParams(max_tokens=200, ignore_eos=True)))
+            for i in range(2)]
+    await anext(long[0])  # running
+    pending = asyncio.ensure_future(anext(long[1]))  # waiting
+    await asyncio.sleep(0.05)
+    with pytest.raises(EngineOverloaded):
+        await anext(engine.generate(GenerationRequest("x", PROMPTS[0], SamplingParams())))
+    pending.cancel()
+    await asyncio.gather(pending, return_exceptions=True)
+    for g in long:
+        await g.aclose()
+
+
+async def test_metrics_are_exposed(make_engine):
+    engine = await make_engine()
+    await collect(engine, PROMPTS[0], "m", max_tokens=3, ignore_eos=True)
+    text = engine.metrics.exposition().decode()
+    for name in ("northmk:num_requests_running", "northmk:num_requests_waiting", "northmk:kv_cache_usage_perc",
+                 "northmk:prompt_tokens_total", "northmk:generation_tokens_total",
+                 "northmk:time_to_first_token_seconds_bucket", "northmk:inter_token_latency_seconds_bucket",
+                 "northmk:e2e_request_latency_seconds_bucket", "northmk:prefix_cache_hits_total"):
+        assert name in text
