@@ -1,0 +1,49 @@
+"""The app factory: `create_app(config, engine)` -> an aiohttp Application.
+
+The app owns the engine's lifetime (started on startup, drained and shut down on
+cleanup), so `web.run_app` / `AppRunner` and the test client manage both together.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator
+
+from aiohttp import web
+
+from .. import telemetry
+from .config import ServerConfig
+from .metrics import HTTPMetrics
+from .middleware import MIDDLEWARES, add_request_id_header
+from .output_parser import ParserFactory, plain_text_parser
+from .routes import ROUTES
+from .state import CONFIG, ENGINE, GENERATION_SLOTS, HTTP_METRICS, PARSER_FACTORY, TOKENS
+from .tokens import Tokens
+
+log = telemetry.get_logger("northmk.server")
+
+
+def create_app(
+    config: ServerConfig, engine, parser_factory: ParserFactory = plain_text_parser
+) -> web.Application:
+    app = web.Application(middlewares=MIDDLEWARES, client_max_size=config.max_body_bytes)
+    app[CONFIG] = config
+    app[ENGINE] = engine
+    app[PARSER_FACTORY] = parser_factory
+    app[HTTP_METRICS] = HTTPMetrics()
+    app[TOKENS] = Tokens(engine.tokenizer, engine.model_config.vocab_size)
+    if config.max_concurrent_requests is not None:
+        app[GENERATION_SLOTS] = asyncio.Semaphore(config.max_concurrent_requests)
+    app.add_routes(ROUTES)
+    app.on_response_prepare.append(add_request_id_header)
+    app.cleanup_ctx.append(_engine_lifetime)
+    return app
+
+
+async def _engine_lifetime(app: web.Application) -> AsyncIterator[None]:
+    engine = app[ENGINE]
+    await engine.start()
+    log.info("engine started", model=app[CONFIG].served_model_names[0], max_model_len=engine.max_model_len)
+    yield
+    await engine.shutdown(app[CONFIG].drain_timeout_s)
+    log.info("engine stopped")

@@ -1,0 +1,204 @@
+"""POST /v1/chat/completions: messages -> chat template -> engine -> message or SSE chunks."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from ...engine.types import CompletionOutput, EngineError, FinishReason, GenerationRequest, RequestOutput
+from .. import schemas
+from ..errors import APIError, as_api_error
+from ..logprobs import chat_logprobs
+from ..output_parser import OutputParser, ParsedDelta
+from ..schemas import (
+    UNSET, given,
+    AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
+    ChatCompletionRequest, ChatDelta, ChatLogprobs, ToolCall, ToolCallFunction,
+)
+from ..state import PARSER_FACTORY, TOKENS
+from ..streaming import EventStream
+from ..validation import check_chat, fit_max_tokens, sampling_params
+from .common import engine_of, iterate, model_name, new_id, now, read_request, start
+
+
+@dataclass
+class ChoiceState:
+    """What one choice has produced so far."""
+
+    parser: OutputParser
+    content: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    tool_calls: dict[int, ToolCall] = field(default_factory=dict)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    num_generated: int = 0
+
+    def parse(self, out: CompletionOutput) -> ParsedDelta:
+        """Feed one engine delta to the parser; record it; return the parsed delta."""
+        parsed = self.parser.feed(out.text) if out.text else ParsedDelta()
+        if out.finished:
+            tail = self.parser.finish()
+            parsed = ParsedDelta(parsed.content + tail.content, parsed.reasoning + tail.reasoning,
+                                 parsed.tool_calls + tail.tool_calls)
+            reason = out.finish_reason
+            if reason == FinishReason.STOP and self.parser.has_tool_calls:
+                reason = FinishReason.TOOL_CALLS
+            self.finish_reason, self.stop_reason = reason.value, out.stop_reason
+        self.content.append(parsed.content)
+        self.reasoning.append(parsed.reasoning)
+        for call in parsed.tool_calls:
+            self._merge_tool_call(call)
+        self.token_ids += out.token_ids
+        self.num_generated = out.num_generated
+        return parsed
+
+    def _merge_tool_call(self, call: schemas.ToolCallDelta) -> None:
+        fn = call.function or {}
+        known = self.tool_calls.get(call.index)
+        if known is None:
+            self.tool_calls[call.index] = ToolCall(
+                call.id or f"call_{call.index}", ToolCallFunction(fn.get("name", ""), fn.get("arguments", ""))
+            )
+        else:
+            known.function.arguments += fn.get("arguments", "")
+
+
+class ChatRun:
+    """One chat request on the engine: its prompt, choices and response shapes."""
+
+    def __init__(self, request: web.Request, req: ChatCompletionRequest):
+        self.engine = engine_of(request)
+        self.tokens = request.app[TOKENS]
+        self.req = req
+        self.model = model_name(request, req.model)
+        self.id = new_id("chatcmpl")
+        self.created = now()
+        self.prompt_ids = self.tokens.render_chat(
+            req.messages, req.tools, req.add_generation_prompt, req.continue_final_message,
+            req.chat_template_kwargs,
+        )
+        self.max_tokens = fit_max_tokens(
+            len(self.prompt_ids), req.max_completion_tokens or req.max_tokens, self.engine.max_model_len,
+            param="max_completion_tokens" if req.max_completion_tokens else "max_tokens",
+        )
+        self.logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        factory = request.app[PARSER_FACTORY]
+        self.choices = [ChoiceState(factory(req)) for _ in range(req.n)]
+        self.num_prompt_tokens = len(self.prompt_ids)
+        self.num_cached_tokens = 0
+
+    def generation_request(self) -> GenerationRequest:
+        vocab = self.engine.model_config.vocab_size
+        params = sampling_params(self.req, self.max_tokens, self.logprobs, vocab)
+        return GenerationRequest(self.id, self.prompt_ids, params)
+
+    def usage(self) -> schemas.Usage:
+        completion = sum(c.num_generated for c in self.choices)
+        details = schemas.PromptTokensDetails(self.num_cached_tokens) if self.num_cached_tokens else UNSET
+        return schemas.Usage(self.num_prompt_tokens, completion, self.num_prompt_tokens + completion, details)
+
+    def observe(self, output: RequestOutput) -> None:
+        self.num_prompt_tokens = output.num_prompt_tokens
+        self.num_cached_tokens = output.num_cached_tokens
+
+    def logprobs_of(self, out: CompletionOutput) -> ChatLogprobs | None:
+        if self.logprobs is None:
+            return None
+        return ChatLogprobs(chat_logprobs(out.logprobs or [], self.tokens.token_text))
+
+    # ---- non-streamed ------------------------------------------------------------
+
+    def completion(self) -> ChatCompletion:
+        choices = [self._choice(i, c) for i, c in enumerate(self.choices)]
+        return ChatCompletion(self.id, self.created, self.model, choices, self.usage(),
+                              prompt_token_ids=self.prompt_ids if self.req.return_token_ids else UNSET)
+
+    def _choice(self, index: int, state: ChoiceState) -> ChatChoice:
+        message = AssistantMessage(
+            content="".join(state.content) if not state.tool_calls or any(state.content) else None,
+            reasoning_content=given("".join(state.reasoning)),
+            tool_calls=given([state.tool_calls[k] for k in sorted(state.tool_calls)]),
+        )
+        logprobs = ChatLogprobs(state.logprobs) if self.logprobs is not None else None
+        return ChatChoice(index, message, logprobs, state.finish_reason, state.stop_reason,
+                          token_ids=state.token_ids if self.req.return_token_ids else UNSET)
+
+    # ---- streamed ----------------------------------------------------------------
+
+    def chunk(self, choices: list[ChatChunkChoice], usage: schemas.Usage | None = None) -> bytes:
+        return schemas.encode(ChatCompletionChunk(self.id, self.created, self.model, choices, usage=usage))
+
+    def role_chunks(self) -> list[bytes]:
+        """One chunk per choice announcing the assistant role (the first also carries the
+        prompt's token ids when asked for)."""
+        chunks = []
+        for i in range(self.req.n):
+            choice = ChatChunkChoice(i, ChatDelta(role="assistant", content=""), None, None)
+            prompt_ids = self.prompt_ids if self.req.return_token_ids and i == 0 else UNSET
+            chunks.append(schemas.encode(ChatCompletionChunk(
+                self.id, self.created, self.model, [choice], usage=self._running_usage(),
+                prompt_token_ids=prompt_ids)))
+        return chunks
+
+    def delta_chunks(self, out: CompletionOutput) -> list[bytes]:
+        state = self.choices[out.index]
+        parsed = state.parse(out)
+        events = []
+        token_ids = out.token_ids if self.req.return_token_ids else UNSET
+        logprobs = self.logprobs_of(out)
+        if parsed or token_ids or (logprobs and logprobs.content):
+            delta = ChatDelta(content=given(parsed.content), reasoning_content=given(parsed.reasoning),
+                              tool_calls=given(parsed.tool_calls))
+            choice = ChatChunkChoice(out.index, delta, logprobs, None, token_ids=token_ids)
+            events.append(self.chunk([choice], self._running_usage()))
+        if state.finish_reason is not None:
+            choice = ChatChunkChoice(out.index, ChatDelta(), None, state.finish_reason, state.stop_reason)
+            events.append(self.chunk([choice], self._running_usage()))
+        return events
+
+    def _running_usage(self) -> schemas.Usage | None:
+        options = self.req.stream_options
+        return self.usage() if options and options.continuous_usage_stats else None
+
+    def usage_chunk(self) -> list[bytes]:
+        options = self.req.stream_options
+        return [self.chunk([], self.usage())] if options and options.include_usage else []
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    req = await read_request(request, ChatCompletionRequest)
+    check_chat(req)
+    run = ChatRun(request, req)
+    first, index, rest = await start(run.engine, [run.generation_request()])
+    outputs = iterate(first, index, rest)
+    if req.stream:
+        return await _stream(request, run, outputs)
+    async with contextlib.aclosing(outputs):
+        async for _, output in outputs:
+            run.observe(output)
+            for out in output.outputs:
+                run.choices[out.index].parse(out)
+                if out.logprobs:
+                    run.choices[out.index].logprobs += run.logprobs_of(out).content
+    return web.Response(body=schemas.encode(run.completion()), content_type="application/json")
+
+
+async def _stream(request: web.Request, run: ChatRun, outputs) -> web.StreamResponse:
+    stream = EventStream(request)
+    async with contextlib.aclosing(outputs):
+        try:
+            await stream.open()
+            await stream.send(run.role_chunks())
+            async for _, output in outputs:
+                run.observe(output)
+                await stream.send([e for out in output.outputs for e in run.delta_chunks(out)])
+            await stream.send(run.usage_chunk())
+        except ConnectionResetError:
+            return stream.response
+        except (APIError, EngineError) as error:
+            await stream.send_error(as_api_error(error))
+    return await stream.close()

@@ -1,0 +1,181 @@
+"""POST /v1/completions: prompt(s) -> engine -> text choices or SSE chunks.
+
+A request with P prompts and n choices each runs as P engine requests; choice
+`p * n + j` is choice j of prompt p, as in OpenAI's API.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from ...engine.types import CompletionOutput, EngineError, GenerationRequest, RequestOutput
+from .. import schemas
+from ..schemas import UNSET
+from ..errors import APIError, as_api_error
+from ..logprobs import completion_logprobs, extend
+from ..schemas import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
+from ..state import TOKENS
+from ..streaming import EventStream
+from ..validation import check_completion, fit_max_tokens, prompt_batches, sampling_params
+from .common import engine_of, iterate, model_name, new_id, now, read_request, start
+
+
+@dataclass
+class ChoiceState:
+    prompt: int  # which prompt this choice continues
+    text: list[str] = field(default_factory=list)
+    text_len: int = 0  # characters so far (text_offset of the next token)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    num_generated: int = 0
+
+
+class CompletionRun:
+    def __init__(self, request: web.Request, req: CompletionRequest):
+        self.engine = engine_of(request)
+        self.tokens = request.app[TOKENS]
+        self.req = req
+        self.model = model_name(request, req.model)
+        self.id = new_id("cmpl")
+        self.created = now()
+        self.prompt_ids = [self._prompt_ids(p) for p in prompt_batches(req.prompt)]
+        self.max_tokens = [fit_max_tokens(len(ids), req.max_tokens, self.engine.max_model_len)
+                           for ids in self.prompt_ids]
+        self.choices = [ChoiceState(p) for p in range(len(self.prompt_ids)) for _ in range(req.n)]
+        self.cached_tokens: dict[int, int] = {}  # prompt -> tokens served from the prefix cache
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokens.encode(prompt, add_special_tokens=self.req.add_special_tokens)
+        return self.tokens.check_ids(prompt, "prompt")
+
+    def generation_requests(self) -> list[GenerationRequest]:
+        vocab = self.engine.model_config.vocab_size
+        many = len(self.prompt_ids) > 1
+        return [
+            GenerationRequest(f"{self.id}-{p}" if many else self.id, ids,
+                              sampling_params(self.req, self.max_tokens[p], self.req.logprobs, vocab))
+            for p, ids in enumerate(self.prompt_ids)
+        ]
+
+    def prompt_text(self, prompt: int) -> str:
+        original = prompt_batches(self.req.prompt)[prompt]
+        if isinstance(original, str):
+            return original
+        return self.tokens.decode(original, skip_special_tokens=False, param="prompt")
+
+    def usage(self) -> schemas.Usage:
+        prompt = sum(len(ids) for ids in self.prompt_ids)
+        completion = sum(c.num_generated for c in self.choices)
+        cached = sum(self.cached_tokens.values())
+        details = schemas.PromptTokensDetails(cached) if cached else UNSET
+        return schemas.Usage(prompt, completion, prompt + completion, details)
+
+    def record(self, prompt: int, output: RequestOutput) -> list[tuple[int, CompletionOutput, CompletionLogprobs | None]]:
+        """Fold one engine output into the choices; returns (choice index, delta, its logprobs)."""
+        self.cached_tokens[prompt] = output.num_cached_tokens
+        changed = []
+        for out in output.outputs:
+            index = prompt * self.req.n + out.index
+            state = self.choices[index]
+            logprobs = None
+            if self.req.logprobs is not None:
+                logprobs = completion_logprobs(out.logprobs or [], self.tokens.token_text, state.text_len)
+                state.logprobs = state.logprobs or CompletionLogprobs([], [], [], [])
+                extend(state.logprobs, logprobs)
+            state.text.append(out.text)
+            state.text_len += len(out.text)
+            state.token_ids += out.token_ids
+            state.num_generated = out.num_generated
+            if out.finished:
+                state.finish_reason, state.stop_reason = out.finish_reason.value, out.stop_reason
+            changed.append((index, out, logprobs))
+        return changed
+
+    def echo(self) -> None:
+        if self.req.echo:
+            for state in self.choices:
+                text = self.prompt_text(state.prompt)
+                state.text.append(text)
+                state.text_len += len(text)
+
+    # ---- responses ---------------------------------------------------------------
+
+    def completion(self) -> Completion:
+        ids = self.req.return_token_ids
+        choices = [
+            CompletionChoice(i, "".join(c.text), c.logprobs, c.finish_reason, c.stop_reason,
+                             token_ids=c.token_ids if ids else UNSET,
+                             prompt_token_ids=self.prompt_ids[c.prompt] if ids else UNSET)
+            for i, c in enumerate(self.choices)
+        ]
+        return Completion(self.id, self.created, self.model, choices, usage=self.usage())
+
+    def chunk(self, choices: list[CompletionChoice], usage: schemas.Usage | None = None) -> bytes:
+        options = self.req.stream_options
+        if usage is None and options and options.continuous_usage_stats:
+            usage = self.usage()
+        return schemas.encode(Completion(self.id, self.created, self.model, choices, usage=usage))
+
+    def first_chunks(self) -> list[bytes]:
+        """Per choice: the echoed prompt and/or its prompt token ids, when asked for."""
+        if not (self.req.echo or self.req.return_token_ids):
+            return []
+        return [
+            self.chunk([CompletionChoice(
+                i, "".join(c.text), None, None,
+                prompt_token_ids=self.prompt_ids[c.prompt] if self.req.return_token_ids else UNSET,
+            )])
+            for i, c in enumerate(self.choices)
+        ]
+
+    def delta_chunks(self, prompt: int, output: RequestOutput) -> list[bytes]:
+        events = []
+        for index, out, logprobs in self.record(prompt, output):
+            token_ids = out.token_ids if self.req.return_token_ids else UNSET
+            if out.text or out.token_ids:
+                events.append(self.chunk([CompletionChoice(index, out.text, logprobs, None, token_ids=token_ids)]))
+            if out.finished:
+                state = self.choices[index]
+                events.append(self.chunk([CompletionChoice(index, "", None, state.finish_reason, state.stop_reason)]))
+        return events
+
+    def usage_chunk(self) -> list[bytes]:
+        options = self.req.stream_options
+        return [self.chunk([], self.usage())] if options and options.include_usage else []
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    req = await read_request(request, CompletionRequest)
+    check_completion(req)
+    run = CompletionRun(request, req)
+    run.echo()
+    first, index, rest = await start(run.engine, run.generation_requests())
+    outputs = iterate(first, index, rest)
+    if req.stream:
+        return await _stream(request, run, outputs)
+    async with contextlib.aclosing(outputs):
+        async for prompt, output in outputs:
+            run.record(prompt, output)
+    return web.Response(body=schemas.encode(run.completion()), content_type="application/json")
+
+
+async def _stream(request: web.Request, run: CompletionRun, outputs) -> web.StreamResponse:
+    stream = EventStream(request)
+    async with contextlib.aclosing(outputs):
+        try:
+            await stream.open()
+            await stream.send(run.first_chunks())
+            async for prompt, output in outputs:
+                await stream.send(run.delta_chunks(prompt, output))
+            await stream.send(run.usage_chunk())
+        except ConnectionResetError:
+            return stream.response
+        except (APIError, EngineError) as error:
+            await stream.send_error(as_api_error(error))
+    return await stream.close()
