@@ -22,16 +22,14 @@ __device__ void run_lm_head(const Params &p, int tile, char *smem) {
     int bi[B];
 #pragma unroll
     for (int b = 0; b < B; b++) bv[b] = -INFINITY, bi[b] = p.vocab;
-    for (int r = warp; r < n; r += kWarps) {
-        float acc[B];
-        row_dot<B>(p.embed + (size_t)(r0 + r) * H, in, H, acc);
+    gemv_rows<B>(p.embed + (size_t)r0 * H, H, n, in, H, [&](int r, const float *acc) {
 #pragma unroll
         for (int b = 0; b < B; b++) {
             float logit = round_bf16(acc[b]) * p.logit_scale;
             if (lane == 0) p.logits[(size_t)b * p.vocab + r0 + r] = logit;
             if (better(logit, r0 + r, bv[b], bi[b])) bv[b] = logit, bi[b] = r0 + r;
         }
-    }
+    });
     if (lane == 0)
         for (int b = 0; b < B; b++) best[warp * B + b] = bv[b], best_i[warp * B + b] = bi[b];
     __syncthreads();

@@ -34,14 +34,14 @@ __device__ void run_gate_up(const Params &p, int layer, int tile, int y, char *s
     __syncthreads();
     bf16 *act = p.act + (size_t)y * NMK_MK_MAX_BATCH * act_stride(p);
     for (int c = threadIdx.x >> 5; c < n; c += kWarps) {
-        float g[B], u[B];
-        row_dot<B>(w.gate_up + (size_t)(c0 + c) * H, in, H, g);
-        row_dot<B>(w.gate_up + (size_t)(w.inter + c0 + c) * H, in, H, u);
+        const bf16 *rows[2] = {w.gate_up + (size_t)(c0 + c) * H, w.gate_up + (size_t)(w.inter + c0 + c) * H};
+        float gu[2][B];  // gate, up
+        rows_dot<B, 2>(rows, in, H, gu);
         if ((threadIdx.x & 31) == 0)
             for (int b = 0; b < B; b++) {
-                float gb = round_bf16(g[b]);
+                float gb = round_bf16(gu[0][b]);
                 float silu = round_bf16(gb / (1.f + expf(-gb)));
-                act[b * act_stride(p) + c0 + c] = __float2bfloat16(silu * round_bf16(u[b]));
+                act[b * act_stride(p) + c0 + c] = __float2bfloat16(silu * round_bf16(gu[1][b]));
             }
     }
 }
@@ -58,13 +58,11 @@ __device__ void run_down(const Params &p, int layer, int tile, int y, char *smem
     stage_bf16(in, p.act + (size_t)y * NMK_MK_MAX_BATCH * act_stride(p), B, w.inter, act_stride(p));
     if (threadIdx.x < B) ks[threadIdx.x] = L.dense ? 0 : load_l2(p.slot_k + y * B + threadIdx.x);
     __syncthreads();
-    for (int r = threadIdx.x >> 5; r < n; r += kWarps) {
-        float acc[B];
-        row_dot<B>(w.down + (size_t)(r0 + r) * w.inter, in, w.inter, acc);
+    gemv_rows<B>(w.down + (size_t)r0 * w.inter, w.inter, n, in, w.inter, [&](int r, const float *acc) {
         if ((threadIdx.x & 31) == 0)
             for (int b = 0; b < B; b++)
                 if (ks[b] >= 0) p.mlp[((size_t)b * p.top_k + ks[b]) * p.hidden + r0 + r] = round_bf16(acc[b]);
-    }
+    });
 }
 
 }  // namespace nmk::mk

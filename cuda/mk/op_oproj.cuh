@@ -12,12 +12,10 @@ __device__ void run_oproj(const Params &p, int layer, int tile, char *smem) {
     bf16 *in = reinterpret_cast<bf16 *>(smem);
     stage_bf16(in, p.attn, B, Q, Q);
     __syncthreads();
-    for (int r = threadIdx.x >> 5; r < n; r += kWarps) {
-        float acc[B];
-        row_dot<B>(p.layers[layer].o + (size_t)(r0 + r) * Q, in, Q, acc);
+    gemv_rows<B>(p.layers[layer].o + (size_t)r0 * Q, Q, n, in, Q, [&](int r, const float *acc) {
         if ((threadIdx.x & 31) == 0)
             for (int b = 0; b < B; b++) p.o[(size_t)b * p.hidden + r0 + r] = round_bf16(acc[b]);
-    }
+    });
 }
 
 }  // namespace nmk::mk

@@ -15,12 +15,10 @@ __device__ void run_qkv(const Params &p, int layer, int tile, char *smem) {
     float *out = reinterpret_cast<float *>(smem + B * H * sizeof(bf16));  // [B][rows]
     stage_bf16(in, p.h, B, H, H);
     __syncthreads();
-    for (int r = threadIdx.x >> 5; r < n; r += kWarps) {
-        float acc[B];
-        row_dot<B>(L.qkv + (size_t)(r0 + r) * H, in, H, acc);
+    gemv_rows<B>(L.qkv + (size_t)r0 * H, H, n, in, H, [&](int r, const float *acc) {
         if ((threadIdx.x & 31) == 0)
             for (int b = 0; b < B; b++) out[b * rows + r] = round_bf16(acc[b]);
-    }
+    });
     __syncthreads();
     // One thread per (row b, pair of adjacent outputs); r0 and rows are even.
     for (int i = threadIdx.x; i < B * n / 2; i += kThreads) {

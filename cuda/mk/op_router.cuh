@@ -27,12 +27,10 @@ __device__ void run_router(const Params &p, int layer, char *smem) {
     float *weights = reinterpret_cast<float *>(picked + B * K);             // [B][K] their logits
     stage_bf16(in, p.h, B, H, H);
     __syncthreads();
-    for (int e = threadIdx.x >> 5; e < E; e += kWarps) {
-        float acc[B];
-        row_dot<B>(p.layers[layer].router + (size_t)e * H, in, H, acc);
+    gemv_rows<B>(p.layers[layer].router, H, E, in, H, [&](int e, const float *acc) {
         if ((threadIdx.x & 31) == 0)
             for (int b = 0; b < B; b++) logits[b * E + e] = round_bf16(acc[b]);
-    }
+    });
     __syncthreads();
     // Warp b picks row b's top-k: k rounds of a warp argmax (ties: lower expert id).
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
