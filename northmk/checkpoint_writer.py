@@ -2,7 +2,8 @@
 names (single file or sharded with an index), tokenizer files and chat_template.jinja.
 
 Presets name geometries; any field can be overridden. `north` is the full North Mini Code
-geometry; `default` is the small built-in model; `tiny` is for tests.
+geometry; `default` is the small built-in model (its vocabulary is what the built-in
+tokenizer fills: bytes, learned merges and the Cohere special tokens); `tiny` is for tests.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         max_position_embeddings=262144,
     ),
     "default": dict(
-        vocab_size=4096, hidden_size=256, num_hidden_layers=8, num_attention_heads=8,
+        vocab_size=608, hidden_size=256, num_hidden_layers=8, num_attention_heads=8,
         num_key_value_heads=2, head_dim=32, num_experts=16, num_experts_per_tok=4,
         intermediate_size=128, prefix_dense_intermediate_size=512, sliding_window=256,
         max_position_embeddings=8192,
