@@ -187,19 +187,37 @@ def route(router_logits: torch.Tensor, top_k: int, selection: str, norm_topk_pro
 
 def moe_experts(h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
                 gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """sum_k weights[t, k] * expert_{experts[t, k]}(h[t]); tokens grouped by expert."""
-    out = torch.zeros_like(h)
+    """sum_k weights[t, k] * expert_{experts[t, k]}(h[t]) over (token, choice) pairs grouped by expert.
+
+    h [T, H]; weights, experts [T, K]; gate_up [E, 2I, H]; down [E, H, I]. One grouped GEMM per
+    projection where torch has one for these operands, else one GEMM per routed expert.
+    """
     flat = experts.flatten()
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
-    tokens = order // experts.shape[1]
-    scale = weights.flatten()[order]
-    start = 0
-    for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        idx = tokens[start:start + n]
-        y = swiglu(h[idx], gate_up[e], down[e]) * scale[start:start + n, None]
-        out.index_add_(0, idx, y.to(out.dtype))
-        start += n
+    counts = torch.bincount(flat, minlength=gate_up.shape[0])
+    tokens = order // experts.shape[1]  # [T*K] token of each pair, sorted by expert
+    x = h[tokens]
+    if _grouped_mm_supported(x, gate_up, down):
+        offsets = counts.cumsum(0).to(torch.int32)
+        gate, up = torch._grouped_mm(x, gate_up.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
+        y = torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offsets)
+    else:
+        y = torch.empty_like(x)
+        start = 0
+        for e, n in enumerate(counts.tolist()):
+            if n:
+                y[start:start + n] = swiglu(x[start:start + n], gate_up[e], down[e])
+                start += n
+    out = torch.zeros_like(h)
+    out.index_add_(0, tokens, (y * weights.flatten()[order, None]).to(out.dtype))
     return out
+
+
+def _grouped_mm_supported(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if x.device.type == "cpu":
+        return True
+    # CUDA grouped GEMMs take bf16 with 16-byte aligned rows.
+    dims = (gate_up.shape[1], gate_up.shape[2], down.shape[2])
+    return x.dtype == torch.bfloat16 and all(d % 8 == 0 for d in dims)
