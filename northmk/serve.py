@@ -2,7 +2,8 @@
 
 With no arguments it serves the built-in default model on http://127.0.0.1:8000.
 SIGINT/SIGTERM: stop accepting connections, let in-flight requests finish for up to
---drain-timeout seconds, cancel the rest, shut the engine down, exit 0.
+--drain-timeout seconds, cancel the rest, shut the engine down, flush traces, exit 0.
+Tracing is configured by the standard OTEL_* environment variables (see northmk.tracing).
 """
 
 from __future__ import annotations
@@ -141,7 +142,11 @@ def main(argv: list[str] | None = None) -> int:
         engine = AsyncEngine.from_config(engine_config)  # loads the checkpoint (blocking)
     except (UsageError, ValueError, NotImplementedError) as error:
         return _fail(error, EXIT_USAGE)
-    app = create_app(server_config, engine)
+    from .parsing import cohere_parser_factory
+    from .tracing import configure_tracing
+
+    tracing = configure_tracing()  # from the OTEL_* variables; off without them
+    app = create_app(server_config, engine, parser_factory=cohere_parser_factory, tracing=tracing)
     import uvloop
 
     try:

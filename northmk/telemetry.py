@@ -1,13 +1,10 @@
-"""Logging (structlog, one JSON object per line) and, in a later issue, tracing.
+"""Logging: structlog, one JSON object per line.
 
 `configure(...)` is the one entry point the CLIs call. Every log line carries the
 contextvars bound for the current task, so a request's lines share its `request_id`
-(bound by the server's request middleware with `bind_request`). Standard-library
-loggers (aiohttp, the engine) go through the same processors.
-
-Tracing (OpenTelemetry: request -> queue -> prefill -> decode -> response spans) will be
-set up by a `configure_tracing` beside `configure_logging`, called from `configure`;
-`GenerationRequest.trace_context` already carries a request's context to the engine.
+(bound by the server's request middleware with `bind_request`), and, while a traced
+request's span is current, its `trace_id` / `span_id`. Standard-library loggers (aiohttp,
+the engine) go through the same processors. Tracing itself lives in `northmk.tracing`.
 """
 
 from __future__ import annotations
@@ -17,6 +14,8 @@ import sys
 from typing import TextIO
 
 import structlog
+
+from .tracing import add_trace_ids
 
 LEVELS = ("debug", "info", "warning", "error", "critical")
 
@@ -30,6 +29,7 @@ def configure_logging(level: str = "info", json_logs: bool = True, stream: TextI
         raise ValueError(f"log level must be one of {LEVELS}, got {level!r}")
     shared = [
         structlog.contextvars.merge_contextvars,
+        add_trace_ids,
         structlog.stdlib.add_log_level,
         structlog.stdlib.add_logger_name,
         structlog.processors.TimeStamper(fmt="iso", utc=True),

@@ -77,6 +77,14 @@ def _json_rule(name: str, schema: Any, strict: bool, param: str, whitespace: str
 
 def response_format_rules(response_format: Mapping[str, Any]) -> list[str] | None:
     """`text_reply` rules for a response_format, or None for plain text."""
+    body = response_format_json(response_format)
+    if body is None:
+        return None
+    return [f"text_reply: {START_TEXT} text_json {END_TEXT}", body]
+
+
+def response_format_json(response_format: Mapping[str, Any]) -> str | None:
+    """The `text_json` rule a response_format asks for, or None for plain text."""
     kind = response_format.get("type")
     if kind in (None, "text"):
         return None
@@ -91,7 +99,7 @@ def response_format_rules(response_format: Mapping[str, Any]) -> list[str] | Non
         body = _json_rule("text_json", spec["schema"], strict, "response_format.json_schema.schema")
     else:
         raise ConstraintError(f"unsupported response_format type {kind!r}", "response_format.type")
-    return [f"text_reply: {START_TEXT} text_json {END_TEXT}", body]
+    return body
 
 
 def tool_specs(tools: list[dict[str, Any]] | None) -> dict[str, tuple[Any, bool]]:
@@ -331,6 +339,18 @@ def chat_logits_processors(
         matcher = compile_grammar(lark, tokenizer, eos_ids)
         processors.append(GrammarLogitsProcessor(matcher, eos_ids, tokenizer.vocab_size))
     return processors
+
+
+def completion_logits_processors(
+    tokenizer: Tokenizer, eos_ids: tuple[int, ...], *, response_format: Mapping[str, Any] | None = None
+) -> list[LogitsProcessor]:
+    """The processors a text completion needs: its whole output is the JSON a response_format
+    asks for (no chat wrapper), then EOS. Blocking: grammar compilation."""
+    body = response_format_json(_plain(response_format) or {})
+    if body is None:
+        return []
+    matcher = compile_grammar("\n".join(["start: text_json", body]), tokenizer, eos_ids)
+    return [GrammarLogitsProcessor(matcher, eos_ids, tokenizer.vocab_size)]
 
 
 def _plain(value: Any) -> Any:

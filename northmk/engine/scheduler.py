@@ -220,6 +220,8 @@ class Scheduler:
         self.resume()
         if not req.prefilled:
             req.num_cached_tokens = cached
+            if req.scheduled_time is None:
+                req.scheduled_time = time.monotonic()
             self.metrics.prefix_cache_queries.inc(len(tokens))
             self.metrics.prefix_cache_hits.inc(cached)
         logits, pos = None, cached

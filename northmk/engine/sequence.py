@@ -76,6 +76,7 @@ class RequestState:
         self.arrival = request.arrival_time or time.monotonic()
         self.num_cached_tokens = 0
         self.first_token_time: float | None = None
+        self.scheduled_time: float | None = None  # the first prefill chunk began (end of the queue wait)
         self.prefilled = False  # the prompt's KV was computed once (n > 1 forks from it)
         self.done = False
 
@@ -101,4 +102,5 @@ class RequestState:
             num_prompt_tokens=self.num_prompt_tokens,
             num_cached_tokens=self.num_cached_tokens,
             first_token_time=self.first_token_time,
+            scheduled_time=self.scheduled_time,
         ))

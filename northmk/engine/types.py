@@ -131,6 +131,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     first_token_time: float | None = None  # time.monotonic() of the first generated token
+    scheduled_time: float | None = None  # time.monotonic() when the prompt's first prefill chunk began
 
 
 OnTokenCallback = Callable[[RequestOutput], None]

@@ -1,7 +1,9 @@
-"""Request id + access log + metrics, errors -> OpenAI JSON, API key, concurrency limit.
+"""Tracing span, request id + access log + metrics, errors -> OpenAI JSON, API key, limit.
 
-Order (outermost first): context, errors, auth, limit — so an auth failure or a 429 is
-still logged, counted and shaped like every other error.
+Order (outermost first): tracing, context, errors, auth, limit — so an auth failure or a
+429 is still traced, logged, counted and shaped like every other error, and the access log
+line carries the request span's trace id. The span lasts until the handler returns, which
+for a streamed response is after its last event.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from .errors import (
     APIError, InternalError, TooManyRequests, Unauthorized, from_decode_error, from_engine_error,
     from_http_exception, json_response,
 )
-from .state import CONFIG, GENERATION_SLOTS, HTTP_METRICS
+from .state import CONFIG, GENERATION_SLOTS, HTTP_METRICS, TRACING
 
 REQUEST_ID_HEADER = "X-Request-Id"
 _CLIENT_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:/+=-]{1,128}$")
@@ -34,6 +36,22 @@ log = telemetry.get_logger("northmk.server")
 
 def request_id_of(request: web.Request) -> str:
     return request[REQUEST_ID]
+
+
+@web.middleware
+async def tracing_middleware(request: web.Request, handler) -> web.StreamResponse:
+    tracing = request.app[TRACING]
+    if not tracing.enabled:
+        return await handler(request)
+    route = request.match_info.route.resource
+    name = f"{request.method} {route.canonical}" if route is not None else request.method
+    attributes = {"http.request.method": request.method, "url.path": request.path}
+    with tracing.request_span(name, request.headers, attributes) as span:
+        response = await handler(request)
+        span.set_attribute("http.response.status_code", response.status)
+        if REQUEST_ID in request:
+            span.set_attribute("northmk.request_id", request[REQUEST_ID])
+        return response
 
 
 @web.middleware
@@ -117,4 +135,4 @@ async def add_request_id_header(request: web.Request, response: web.StreamRespon
         response.headers[REQUEST_ID_HEADER] = request[REQUEST_ID]
 
 
-MIDDLEWARES = (context_middleware, error_middleware, auth_middleware, limit_middleware)
+MIDDLEWARES = (tracing_middleware, context_middleware, error_middleware, auth_middleware, limit_middleware)

@@ -32,6 +32,7 @@ TokenId = Annotated[int, Meta(ge=0)]
 Stop = str | Annotated[list[str], Meta(max_length=MAX_STOP)]
 TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)]
 Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high"]
 
 
 # ---- requests ---------------------------------------------------------------------
@@ -109,10 +110,14 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
+    reasoning_effort: ReasoningEffort | None = None  # "none" turns reasoning off
     # vLLM extras
+    include_reasoning: bool = True  # false: reasoning_content is left out of the reply
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # northmk extra: with a constrained reply, reasoning ends after this many tokens
+    max_reasoning_tokens: MaxTokens | None = None
 
 
 PromptItem = str | TokenId | list[TokenId]
@@ -126,6 +131,7 @@ class CompletionRequest(SamplingFields, kw_only=True):
     suffix: str | None = None
     best_of: Choices | None = None
     add_special_tokens: bool = True
+    response_format: ResponseFormat | None = None  # json: the whole text is that JSON
 
 
 class TokenizeRequest(Struct, kw_only=True):

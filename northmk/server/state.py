@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from ..tracing import Tracing
 from .config import ServerConfig
 from .metrics import HTTPMetrics
 from .output_parser import ParserFactory
@@ -21,3 +22,4 @@ PARSER_FACTORY = web.AppKey("parser_factory", ParserFactory)
 HTTP_METRICS = web.AppKey("http_metrics", HTTPMetrics)
 GENERATION_SLOTS = web.AppKey("generation_slots", asyncio.Semaphore)  # only with a concurrency limit
 TOKENS = web.AppKey("tokens", Tokens)
+TRACING = web.AppKey("tracing", Tracing)

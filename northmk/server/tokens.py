@@ -17,6 +17,7 @@ class Tokens:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.token_text = token_text_fn(tokenizer)
+        self.special_texts = [tokenizer.id_to_token(i) for i in tokenizer.all_special_ids]
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))

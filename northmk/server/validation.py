@@ -6,7 +6,11 @@ raises `InvalidRequest` / `NotFound` naming the offending field.
 
 from __future__ import annotations
 
+import msgspec
+
+from ..engine.constrained import ConstraintError, chat_grammar, response_format_json, tool_specs
 from ..engine.types import SamplingParams
+from ..parsing import conversation_call_numbers
 from .errors import InvalidRequest, NotFound
 from .schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 
@@ -24,7 +28,9 @@ def check_model(requested: str | None, served_names: tuple[str, ...]) -> str:
     return requested
 
 
-def check_chat(req: ChatCompletionRequest) -> None:
+def check_chat(req: ChatCompletionRequest) -> dict[str, str]:
+    """Raises for an invalid chat request; returns its call numbers (OpenAI tool-call id ->
+    the model's "0", "1", ...), see `parsing.conversation_call_numbers`."""
     if not req.messages:
         raise InvalidRequest("`messages` must contain at least one message", param="messages")
     for i, message in enumerate(req.messages):
@@ -36,13 +42,6 @@ def check_chat(req: ChatCompletionRequest) -> None:
                 )
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidRequest("`top_logprobs` requires `logprobs: true`", param="top_logprobs")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise InvalidRequest(
-            f"response_format {req.response_format.type!r} is not supported yet",
-            param="response_format",
-        )
-    if req.tool_choice not in (None, "none", "auto"):
-        raise InvalidRequest("only tool_choice 'none' and 'auto' are supported", param="tool_choice")
     if req.continue_final_message:
         if req.add_generation_prompt:
             raise InvalidRequest(
@@ -55,6 +54,50 @@ def check_chat(req: ChatCompletionRequest) -> None:
                 param="continue_final_message",
             )
     _check_common(req)
+    declared = _check_constraints(req)
+    return _check_tool_turns(req, declared)
+
+
+def _check_constraints(req: ChatCompletionRequest) -> set[str] | None:
+    """tools / tool_choice / response_format as the grammar reads them; the declared tool names."""
+    try:
+        tools = msgspec.to_builtins(req.tools) if req.tools is not None else None
+        grammar = chat_grammar(
+            response_format=msgspec.to_builtins(req.response_format) if req.response_format else None,
+            tools=tools, tool_choice=req.tool_choice, parallel_tool_calls=req.parallel_tool_calls,
+        )
+        declared = set(tool_specs(tools)) if tools is not None else None
+    except ConstraintError as error:
+        raise InvalidRequest(str(error), param=error.param) from None
+    if grammar is None and req.max_reasoning_tokens is not None:
+        raise InvalidRequest("`max_reasoning_tokens` applies only to a constrained reply (a JSON response_format, "
+                             "or tool_choice 'required' or a named function)", param="max_reasoning_tokens")
+    if grammar is not None and not req.add_generation_prompt:
+        raise InvalidRequest("a constrained reply (response_format, tool_choice) needs `add_generation_prompt: true`",
+                             param="add_generation_prompt")
+    return declared
+
+
+def _check_tool_turns(req: ChatCompletionRequest, declared: set[str] | None) -> dict[str, str]:
+    """Each tool call is an assistant's, to a declared tool (when tools are given), and each tool
+    message answers a call made before it. Returns OpenAI call id -> the model's number."""
+    try:
+        numbers = conversation_call_numbers(req.messages)
+    except ValueError as error:
+        raise InvalidRequest(str(error), param="messages") from None
+    made: set[str] = set()
+    for i, message in enumerate(req.messages):
+        for j, call in enumerate(message.tool_calls or ()):
+            if message.role != "assistant":
+                raise InvalidRequest("only assistant messages carry tool_calls", param=f"messages[{i}].tool_calls")
+            if declared is not None and call.function.name not in declared:
+                raise InvalidRequest(f"messages[{i}] calls {call.function.name!r}, which is not among the tools",
+                                     param=f"messages[{i}].tool_calls[{j}].function.name")
+            made.add(call.id)
+        if message.role == "tool" and message.tool_call_id not in made:
+            raise InvalidRequest(f"tool message answers tool_call_id {message.tool_call_id!r}, "
+                                 "which no earlier assistant message made", param=f"messages[{i}].tool_call_id")
+    return numbers
 
 
 def check_completion(req: CompletionRequest) -> None:
@@ -75,6 +118,13 @@ def check_completion(req: CompletionRequest) -> None:
         raise InvalidRequest("`suffix` is not supported", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise InvalidRequest("`best_of` other than `n` is not supported", param="best_of")
+    if req.response_format is not None:
+        try:
+            json_rule = response_format_json(msgspec.to_builtins(req.response_format))
+        except ConstraintError as error:
+            raise InvalidRequest(str(error), param=error.param) from None
+        if json_rule is not None and req.echo:
+            raise InvalidRequest("`echo` with a JSON response_format is not supported", param="echo")
     if req.echo and req.logprobs is not None:
         raise InvalidRequest(
             "`echo` with `logprobs` (prompt logprobs) is not supported", param="echo"

@@ -2,6 +2,7 @@
 the PyTorch reference model on CPU."""
 
 import asyncio
+import time
 
 import pytest
 
@@ -192,3 +193,15 @@ async def test_metrics_are_exposed(make_engine):
                  "northmk:time_to_first_token_seconds_bucket", "northmk:inter_token_latency_seconds_bucket",
                  "northmk:e2e_request_latency_seconds_bucket", "northmk:prefix_cache_hits_total"):
         assert name in text
+
+
+async def test_outputs_carry_when_the_request_left_the_queue_and_got_its_first_token(make_engine):
+    engine = await make_engine(max_batch=1)
+    start = time.monotonic()
+    runs = [collect(engine, prompt, rid, max_tokens=30, ignore_eos=True)
+            for prompt, rid in ((PROMPTS[1], "first"), (PROMPTS[0], "second"))]
+    (_, _, first), (_, _, second) = await asyncio.gather(*runs)
+    for last in (first, second):
+        assert start <= last.scheduled_time <= last.first_token_time
+    # One row: the second request waits in the queue until the first has finished.
+    assert second.scheduled_time > first.first_token_time

@@ -1,10 +1,15 @@
 """Names and small HTTP helpers shared by the server tests."""
 
 import json
+import socket
+import subprocess
+import time
+import urllib.request
 
 MODEL = "tiny"
 ALIAS = "tiny-alias"
 MAX_MODEL_LEN = 256
+STARTUP_S = 90  # a `python -m northmk.serve` process becomes healthy within this
 
 
 async def post(client, path: str, body: dict, status: int = 200) -> dict:
@@ -37,3 +42,59 @@ def metric(text: str, name: str) -> float:
             found = True
     assert found, f"{name} not in /metrics"
     return total
+
+
+# ---- tools and schemas for the structured-output tests ------------------------------------
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TIME = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+        "additionalProperties": False}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather.", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
+]
+TOOL_SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 10}, "age": {"type": "integer", "minimum": 0,
+                                                                          "maximum": 150}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def special_texts(checkpoint) -> list[str]:
+    from northmk.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_pretrained(checkpoint)
+    return [tokenizer.id_to_token(i) for i in tokenizer.all_special_ids]
+
+
+def assert_clean(text: str | None, specials: list[str]) -> None:
+    """No special-token text leaked into what a client reads."""
+    assert not any(s in (text or "") for s in specials), text
+
+
+# ---- server processes -----------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, process: subprocess.Popen) -> None:
+    deadline = time.monotonic() + STARTUP_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"server exited with {process.returncode}: {process.stderr.read()[-2000:]}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=1) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.2)
+    raise AssertionError("server did not become healthy")

@@ -1,6 +1,6 @@
 """The chat response path takes reasoning and tool calls from a pluggable per-choice parser."""
 
-from northmk.server.output_parser import ParsedDelta
+from northmk.server.output_parser import ParsedDelta, plain_text_parser
 from northmk.server.schemas import ToolCallDelta
 
 from .helpers import MODEL, post, stream
@@ -29,7 +29,7 @@ class ThinkThenCall:
 
 
 async def test_a_parser_turns_text_into_reasoning_and_tool_calls(make_client):
-    plain = await make_client()
+    plain = await make_client(parser_factory=plain_text_parser)
     text = (await post(plain, "/v1/chat/completions", BODY))["choices"][0]["message"]["content"]
     client = await make_client(parser_factory=lambda request: ThinkThenCall())
     message = (await post(client, "/v1/chat/completions", BODY))["choices"][0]["message"]

@@ -59,8 +59,17 @@ def test_out_of_range_or_mistyped_chat_fields_are_400_naming_the_field(field, va
     ({"top_logprobs": 3}, "top_logprobs"),
     ({"stop": [""]}, "stop"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
     ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {
+        "type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "function"}]}, "tools[0]"),
+    ({"response_format": {"type": "json_object"}, "add_generation_prompt": False}, "add_generation_prompt"),
+    ({"reasoning_effort": "extreme"}, "reasoning_effort"),
+    ({"max_reasoning_tokens": 8}, "max_reasoning_tokens"),
+    ({"max_reasoning_tokens": 0, "response_format": {"type": "json_object"}}, "max_reasoning_tokens"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
     ({"continue_final_message": True}, "continue_final_message"),
 ])
@@ -120,6 +129,8 @@ def test_completion_prompt_shapes(prompt, expected):
 
 
 @pytest.mark.parametrize("fields,param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema"),
+    ({"response_format": {"type": "json_object"}, "echo": True}, "echo"),
     ({"prompt": []}, "prompt"), ({"prompt": ["a", 1]}, "prompt"), ({"prompt": [[1], []]}, "prompt"),
     ({"prompt": [1.5]}, "prompt"), ({"prompt": [-3]}, "prompt"), ({"prompt": None}, "prompt"),
     ({"suffix": "x"}, "suffix"), ({"best_of": 3}, "best_of"), ({"echo": True, "logprobs": 1}, "echo"),

@@ -3,12 +3,10 @@
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import openai
@@ -16,31 +14,10 @@ import pytest
 
 from northmk.serve import main
 
-from .helpers import MODEL
+from .helpers import MODEL, free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "test-key"
-STARTUP_S = 90
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(url: str, process: subprocess.Popen) -> None:
-    deadline = time.monotonic() + STARTUP_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise AssertionError(f"server exited with {process.returncode}: {process.stderr.read()[-2000:]}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=1) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.2)
-    raise AssertionError("server did not become healthy")
 
 
 @pytest.fixture(scope="module")

@@ -1,17 +1,26 @@
-"""POST /v1/chat/completions: messages -> chat template -> engine -> message or SSE chunks."""
+"""POST /v1/chat/completions: messages -> chat template -> engine -> message or SSE chunks.
+
+The reply is decoded with its special tokens and split by the app's parser (Cohere's by
+default) into reasoning, content and tool calls. response_format / tool_choice become
+grammar masks in the sampler (`engine.constrained`), compiled off the event loop.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from dataclasses import dataclass, field
+from typing import Any
 
 from aiohttp import web
 
+from ...engine.constrained import ConstraintError, chat_logits_processors
 from ...engine.types import CompletionOutput, EngineError, FinishReason, GenerationRequest, RequestOutput
+from ...parsing.cohere import reasoning_enabled
 from .. import schemas
-from ..errors import APIError, as_api_error
+from ..errors import APIError, InvalidRequest, as_api_error
 from ..logprobs import chat_logprobs
-from ..output_parser import OutputParser, ParsedDelta
+from ..output_parser import OutputParser, ParsedDelta, SpecialTextParser
 from ..schemas import (
     UNSET, given,
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
@@ -20,7 +29,7 @@ from ..schemas import (
 from ..state import PARSER_FACTORY, TOKENS
 from ..streaming import EventStream
 from ..validation import check_chat, fit_max_tokens, sampling_params
-from .common import engine_of, iterate, model_name, new_id, now, read_request, start
+from .common import engine_of, iterate, model_name, new_id, now, read_request, start, trace_generation
 
 
 @dataclass
@@ -70,16 +79,18 @@ class ChoiceState:
 class ChatRun:
     """One chat request on the engine: its prompt, choices and response shapes."""
 
-    def __init__(self, request: web.Request, req: ChatCompletionRequest):
+    def __init__(self, request: web.Request, req: ChatCompletionRequest, call_numbers: dict[str, str]):
         self.engine = engine_of(request)
         self.tokens = request.app[TOKENS]
         self.req = req
         self.model = model_name(request, req.model)
         self.id = new_id("chatcmpl")
         self.created = now()
+        self.call_numbers = call_numbers
+        self.template_kwargs = template_kwargs(req)
+        self.reasoning = reasoning_enabled(self.template_kwargs)
         self.prompt_ids = self.tokens.render_chat(
-            req.messages, req.tools, req.add_generation_prompt, req.continue_final_message,
-            req.chat_template_kwargs,
+            req.messages, req.tools, req.add_generation_prompt, req.continue_final_message, self.template_kwargs,
         )
         self.max_tokens = fit_max_tokens(
             len(self.prompt_ids), req.max_completion_tokens or req.max_tokens, self.engine.max_model_len,
@@ -87,14 +98,34 @@ class ChatRun:
         )
         self.logprobs = (req.top_logprobs or 0) if req.logprobs else None
         factory = request.app[PARSER_FACTORY]
-        self.choices = [ChoiceState(factory(req)) for _ in range(req.n)]
+        self.choices = [ChoiceState(SpecialTextParser(factory(req), self.tokens.special_texts))
+                        for _ in range(req.n)]
         self.num_prompt_tokens = len(self.prompt_ids)
         self.num_cached_tokens = 0
+        self.generation: GenerationRequest | None = None
+        self.last: RequestOutput | None = None
 
-    def generation_request(self) -> GenerationRequest:
+    async def generation_request(self) -> GenerationRequest:
         vocab = self.engine.model_config.vocab_size
         params = sampling_params(self.req, self.max_tokens, self.logprobs, vocab)
-        return GenerationRequest(self.id, self.prompt_ids, params)
+        params.skip_special_tokens = False  # the parser reads the reply's structure from them
+        params.logits_processors = await self._constraints()
+        self.generation = GenerationRequest(self.id, self.prompt_ids, params)
+        return self.generation
+
+    async def _constraints(self) -> list:
+        req = self.req
+        if req.tools is None and req.tool_choice is None and req.response_format is None:
+            return []
+        try:
+            return await asyncio.to_thread(
+                chat_logits_processors, self.engine.tokenizer, self.engine.eos_ids,
+                response_format=req.response_format, tools=req.tools, tool_choice=req.tool_choice,
+                parallel_tool_calls=req.parallel_tool_calls, reasoning=self.reasoning,
+                max_reasoning_tokens=req.max_reasoning_tokens, first_call_number=len(self.call_numbers),
+            )
+        except ConstraintError as error:
+            raise InvalidRequest(str(error), param=error.param) from None
 
     def usage(self) -> schemas.Usage:
         completion = sum(c.num_generated for c in self.choices)
@@ -102,8 +133,17 @@ class ChatRun:
         return schemas.Usage(self.num_prompt_tokens, completion, self.num_prompt_tokens + completion, details)
 
     def observe(self, output: RequestOutput) -> None:
+        self.last = output
         self.num_prompt_tokens = output.num_prompt_tokens
         self.num_cached_tokens = output.num_cached_tokens
+
+    def trace(self, request: web.Request) -> None:
+        if self.generation is not None:
+            completion = sum(c.num_generated for c in self.choices)
+            trace_generation(request, self.generation, self.last, completion, self.choices[0].finish_reason)
+
+    def reasoning_of(self, text: str) -> str:
+        return text if self.req.include_reasoning else ""
 
     def logprobs_of(self, out: CompletionOutput) -> ChatLogprobs | None:
         if self.logprobs is None:
@@ -120,7 +160,7 @@ class ChatRun:
     def _choice(self, index: int, state: ChoiceState) -> ChatChoice:
         message = AssistantMessage(
             content="".join(state.content) if not state.tool_calls or any(state.content) else None,
-            reasoning_content=given("".join(state.reasoning)),
+            reasoning_content=given(self.reasoning_of("".join(state.reasoning))),
             tool_calls=given([state.tool_calls[k] for k in sorted(state.tool_calls)]),
         )
         logprobs = ChatLogprobs(state.logprobs) if self.logprobs is not None else None
@@ -150,8 +190,9 @@ class ChatRun:
         events = []
         token_ids = out.token_ids if self.req.return_token_ids else UNSET
         logprobs = self.logprobs_of(out)
-        if parsed or token_ids or (logprobs and logprobs.content):
-            delta = ChatDelta(content=given(parsed.content), reasoning_content=given(parsed.reasoning),
+        reasoning = self.reasoning_of(parsed.reasoning)
+        if parsed.content or reasoning or parsed.tool_calls or token_ids or (logprobs and logprobs.content):
+            delta = ChatDelta(content=given(parsed.content), reasoning_content=given(reasoning),
                               tool_calls=given(parsed.tool_calls))
             choice = ChatChunkChoice(out.index, delta, logprobs, None, token_ids=token_ids)
             events.append(self.chunk([choice], self._running_usage()))
@@ -169,21 +210,29 @@ class ChatRun:
         return [self.chunk([], self.usage())] if options and options.include_usage else []
 
 
+def template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:
+    """The template's variables: top-level reasoning_effort, overridden by chat_template_kwargs."""
+    kwargs: dict[str, Any] = {} if req.reasoning_effort is None else {"reasoning_effort": req.reasoning_effort}
+    return {**kwargs, **(req.chat_template_kwargs or {})}
+
+
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     req = await read_request(request, ChatCompletionRequest)
-    check_chat(req)
-    run = ChatRun(request, req)
-    first, index, rest = await start(run.engine, [run.generation_request()])
-    outputs = iterate(first, index, rest)
-    if req.stream:
-        return await _stream(request, run, outputs)
-    async with contextlib.aclosing(outputs):
-        async for _, output in outputs:
-            run.observe(output)
-            for out in output.outputs:
-                run.choices[out.index].parse(out)
-                if out.logprobs:
-                    run.choices[out.index].logprobs += run.logprobs_of(out).content
+    run = ChatRun(request, req, check_chat(req))
+    try:
+        first, index, rest = await start(run.engine, [await run.generation_request()])
+        outputs = iterate(first, index, rest)
+        if req.stream:
+            return await _stream(request, run, outputs)
+        async with contextlib.aclosing(outputs):
+            async for _, output in outputs:
+                run.observe(output)
+                for out in output.outputs:
+                    run.choices[out.index].parse(out)
+                    if out.logprobs:
+                        run.choices[out.index].logprobs += run.logprobs_of(out).content
+    finally:
+        run.trace(request)
     return web.Response(body=schemas.encode(run.completion()), content_type="application/json")
 
 

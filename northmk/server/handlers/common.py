@@ -8,10 +8,12 @@ import uuid
 from typing import Any, AsyncIterator
 
 from aiohttp import web
+from opentelemetry import trace
 
 from ...engine.types import GenerationRequest, RequestOutput
+from ...tracing import GenerationTiming
 from .. import schemas
-from ..state import CONFIG, ENGINE
+from ..state import CONFIG, ENGINE, TRACING
 from ..streaming import merge
 from ..validation import check_model
 
@@ -65,3 +67,20 @@ async def iterate(first: RequestOutput | None, index: int, rest: Outputs) -> Out
             yield index, first
         async for item in rest:
             yield item
+
+
+def trace_generation(request: web.Request, generation: GenerationRequest, last: RequestOutput | None,
+                     num_completion_tokens: int, finish_reason: str | None) -> None:
+    """The queue / prefill / decode spans of one engine request (ended now, `last` its final
+    output) under the request's span; nothing when tracing is off."""
+    tracing = request.app[TRACING]
+    if not tracing.enabled:
+        return
+    timing = GenerationTiming(
+        generation.request_id, generation.arrival_time,
+        scheduled=last.scheduled_time if last else None, first_token=last.first_token_time if last else None,
+        finished=time.monotonic(), num_prompt_tokens=len(generation.prompt_token_ids),
+        num_cached_tokens=last.num_cached_tokens if last else 0, num_completion_tokens=num_completion_tokens,
+        finish_reason=finish_reason,
+    )
+    tracing.record_generation(trace.get_current_span(), timing)

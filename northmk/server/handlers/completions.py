@@ -1,26 +1,29 @@
 """POST /v1/completions: prompt(s) -> engine -> text choices or SSE chunks.
 
 A request with P prompts and n choices each runs as P engine requests; choice
-`p * n + j` is choice j of prompt p, as in OpenAI's API.
+`p * n + j` is choice j of prompt p, as in OpenAI's API. A JSON response_format makes each
+choice's whole text that JSON (grammar masks, no chat wrapper).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from ...engine.constrained import ConstraintError, completion_logits_processors
 from ...engine.types import CompletionOutput, EngineError, GenerationRequest, RequestOutput
 from .. import schemas
 from ..schemas import UNSET
-from ..errors import APIError, as_api_error
+from ..errors import APIError, InvalidRequest, as_api_error
 from ..logprobs import completion_logprobs, extend
 from ..schemas import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
 from ..state import TOKENS
 from ..streaming import EventStream
 from ..validation import check_completion, fit_max_tokens, prompt_batches, sampling_params
-from .common import engine_of, iterate, model_name, new_id, now, read_request, start
+from .common import engine_of, iterate, model_name, new_id, now, read_request, start, trace_generation
 
 
 @dataclass
@@ -48,20 +51,40 @@ class CompletionRun:
                            for ids in self.prompt_ids]
         self.choices = [ChoiceState(p) for p in range(len(self.prompt_ids)) for _ in range(req.n)]
         self.cached_tokens: dict[int, int] = {}  # prompt -> tokens served from the prefix cache
+        self.generations: list[GenerationRequest] = []
+        self.last: dict[int, RequestOutput] = {}  # prompt -> its latest output
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             return self.tokens.encode(prompt, add_special_tokens=self.req.add_special_tokens)
         return self.tokens.check_ids(prompt, "prompt")
 
-    def generation_requests(self) -> list[GenerationRequest]:
+    async def generation_requests(self) -> list[GenerationRequest]:
         vocab = self.engine.model_config.vocab_size
         many = len(self.prompt_ids) > 1
-        return [
+        self.generations = [
             GenerationRequest(f"{self.id}-{p}" if many else self.id, ids,
                               sampling_params(self.req, self.max_tokens[p], self.req.logprobs, vocab))
             for p, ids in enumerate(self.prompt_ids)
         ]
+        if self.req.response_format is not None:
+            for generation in self.generations:  # one grammar state per request
+                generation.params.logits_processors = await self._constraints()
+        return self.generations
+
+    async def _constraints(self) -> list:
+        try:
+            return await asyncio.to_thread(completion_logits_processors, self.engine.tokenizer, self.engine.eos_ids,
+                                           response_format=self.req.response_format)
+        except ConstraintError as error:
+            raise InvalidRequest(str(error), param=error.param) from None
+
+    def trace(self, request: web.Request) -> None:
+        n = self.req.n
+        for p, generation in enumerate(self.generations):
+            choices = self.choices[p * n: (p + 1) * n]
+            trace_generation(request, generation, self.last.get(p), sum(c.num_generated for c in choices),
+                             choices[0].finish_reason)
 
     def prompt_text(self, prompt: int) -> str:
         original = prompt_batches(self.req.prompt)[prompt]
@@ -79,6 +102,7 @@ class CompletionRun:
     def record(self, prompt: int, output: RequestOutput) -> list[tuple[int, CompletionOutput, CompletionLogprobs | None]]:
         """Fold one engine output into the choices; returns (choice index, delta, its logprobs)."""
         self.cached_tokens[prompt] = output.num_cached_tokens
+        self.last[prompt] = output
         changed = []
         for out in output.outputs:
             index = prompt * self.req.n + out.index
@@ -155,13 +179,16 @@ async def completions(request: web.Request) -> web.StreamResponse:
     check_completion(req)
     run = CompletionRun(request, req)
     run.echo()
-    first, index, rest = await start(run.engine, run.generation_requests())
-    outputs = iterate(first, index, rest)
-    if req.stream:
-        return await _stream(request, run, outputs)
-    async with contextlib.aclosing(outputs):
-        async for prompt, output in outputs:
-            run.record(prompt, output)
+    try:
+        first, index, rest = await start(run.engine, await run.generation_requests())
+        outputs = iterate(first, index, rest)
+        if req.stream:
+            return await _stream(request, run, outputs)
+        async with contextlib.aclosing(outputs):
+            async for prompt, output in outputs:
+                run.record(prompt, output)
+    finally:
+        run.trace(request)
     return web.Response(body=schemas.encode(run.completion()), content_type="application/json")
 
 
