@@ -7,7 +7,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from ._lib import LIB_NAME, SOURCE_ROOT
+from ._lib import LIB_NAME, PACKAGE_DIR, SOURCE_ROOT
 
 
 def build_in_tree(build_dir: Path | None = None, cuda: str = "off") -> Path:
@@ -31,9 +31,12 @@ def _run(cmd: list[str]) -> None:
 
 
 def ensure_library() -> Path:
-    """$NORTHMK_LIB if set; else builds in-tree and points $NORTHMK_LIB at the result (test fixtures)."""
+    """The library the tests should use: $NORTHMK_LIB if set, else the installed package's
+    (what `pip install .` built), else an in-tree build (a source checkout run with
+    PYTHONPATH); $NORTHMK_LIB is pointed at the result."""
     if os.environ.get("NORTHMK_LIB"):
         return Path(os.environ["NORTHMK_LIB"])
-    path = build_in_tree()
+    installed = PACKAGE_DIR / LIB_NAME
+    path = installed if installed.is_file() else build_in_tree()
     os.environ["NORTHMK_LIB"] = str(path)
     return path
