@@ -131,9 +131,14 @@ class GenerationTiming:
         return {}
 
 
+# Wall-clock minus monotonic time, read once: every conversion uses the same offset, so two
+# readings that are equal (one span's end, the next one's start) stay equal in the spans.
+_EPOCH_OFFSET_NS = time.time_ns() - time.monotonic_ns()
+
+
 def epoch_ns(monotonic_s: float) -> int:
     """A time.monotonic() reading as nanoseconds since the epoch (what spans carry)."""
-    return time.time_ns() - int((time.monotonic() - monotonic_s) * 1e9)
+    return _EPOCH_OFFSET_NS + round(monotonic_s * 1e9)
 
 
 def configure_tracing() -> Tracing:
