@@ -69,6 +69,11 @@ class ChoiceOutput:
             self._finish(FinishReason.LENGTH, None)
         return self.finished
 
+    def finish_empty(self) -> None:
+        """Finish before any token: max_tokens 0 asked for the prompt alone (to score it)."""
+        assert self.max_len == 0 and not self.num_generated, "only a choice that may generate nothing"
+        self._finish(FinishReason.LENGTH, None)
+
     def abort(self) -> None:
         if not self.finished:
             self._finish(FinishReason.ABORT, None)

@@ -62,10 +62,14 @@ class TorchRunner:
         model_config, weights = load_checkpoint(path, dtype=dtype, device=engine.device)
         return cls(model_config, weights, kv_page_counts(engine, model_config, max_model_len, dtype))
 
-    def prefill(self, tokens: list[int], start: int, block_tables: list[torch.Tensor]) -> torch.Tensor:
-        """Write the KV of `tokens` at positions start.. of one row; float32 logits [V] of the last."""
+    def prefill(self, tokens: list[int], start: int, block_tables: list[torch.Tensor],
+                all_logits: bool = False) -> torch.Tensor:
+        """Write the KV of `tokens` at positions start.. of one row; float32 logits [V] of the
+        last token, or with all_logits [n, V] of every token (prompt logprobs)."""
         layout = BatchLayout([len(tokens)], [start], [t.view(1, -1) for t in block_tables])
         ids = torch.tensor(tokens, dtype=torch.long)
+        if all_logits:
+            return self.model.logits(self.model.forward(ids, layout, self.kv))
         return self.model.step(ids, layout, self.kv)[0]
 
     def decode(self, tokens: list[int], positions: list[int], block_tables: list[torch.Tensor]) -> torch.Tensor:

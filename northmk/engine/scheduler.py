@@ -19,6 +19,7 @@ import torch
 from .. import native
 from .config import EngineConfig
 from .metrics import EngineMetrics
+from .prompt_logprobs import PromptScorer
 from .runner import TorchRunner
 from .sampling import sample_rows
 from .sequence import RequestState, Sequence, SeqStatus
@@ -211,10 +212,13 @@ class Scheduler:
         """
         req = lead.request
         tokens = lead.recompute_ids if req.prefilled else req.request.prompt_token_ids
+        scorer = self._prompt_scorer(req)
         for seq in group:
             seq.status = SeqStatus.PREFILLING
         await self.park()  # a prefix-cache hit must not see pages whose KV a step is writing
-        kv, cached = self.pool.create_sequence(tokens)
+        # Cached pages hold KV but no logits: a scored prompt is computed whole, and it is not
+        # a prefix-cache query (the pool counts no lookup either), so hit rates stay comparable.
+        kv, cached = self.pool.create_sequence(None if scorer else tokens)
         lead.kv_seq = kv
         self.by_kv[kv] = lead
         self.resume()
@@ -222,8 +226,9 @@ class Scheduler:
             req.num_cached_tokens = cached
             if req.scheduled_time is None:
                 req.scheduled_time = time.monotonic()
-            self.metrics.prefix_cache_queries.inc(len(tokens))
-            self.metrics.prefix_cache_hits.inc(cached)
+            if scorer is None:
+                self.metrics.prefix_cache_queries.inc(len(tokens))
+                self.metrics.prefix_cache_hits.inc(cached)
         logits, pos = None, cached
         while pos < len(tokens):
             if lead.output.finished:  # aborted while prefilling
@@ -238,7 +243,7 @@ class Scheduler:
                 continue
             tables = [torch.as_tensor(self.pool.seq_block_table(kv, g)) for g in self.groups]
             logits = await asyncio.get_running_loop().run_in_executor(
-                self.executor, self.runner.prefill, chunk, pos, tables)
+                self.executor, self._prefill_chunk, chunk, pos, tables, scorer)
             pos += len(chunk)
             await self.reap()  # between chunks, so finished and cancelled rows leave promptly
             if self._loop_no_space:
@@ -251,10 +256,30 @@ class Scheduler:
         if not req.prefilled:
             req.prefilled = True
             self.metrics.prompt_tokens.inc(len(tokens))
+            if scorer is not None:
+                assert scorer.complete, f"{len(scorer.items)} of {len(tokens)} prompt tokens scored"
+                req.prompt_logprobs = scorer.items
             if not await self._start_choices(lead, group, logits):
                 return True
         await self._add_rows(group)
         return True
+
+    def _prompt_scorer(self, req: RequestState) -> PromptScorer | None:
+        """A fresh scorer for a first prefill that wants prompt logprobs (a recompute after
+        preemption does not: they were delivered with the first output)."""
+        k = req.request.params.prompt_logprobs
+        if req.prefilled or k is None:
+            return None
+        return PromptScorer(req.request.prompt_token_ids, k)
+
+    def _prefill_chunk(self, chunk: list[int], start: int, tables: list[torch.Tensor],
+                       scorer: PromptScorer | None) -> torch.Tensor:
+        """One prefill forward (executor thread); logits [V] after the chunk's last token."""
+        if scorer is None:
+            return self.runner.prefill(chunk, start, tables)
+        logits = self.runner.prefill(chunk, start, tables, all_logits=True)  # [n, V]
+        scorer.score(logits, start)
+        return logits[-1].clone()  # not a view that keeps the chunk's [n, V] alive
 
     async def _make_room(self, seq: Sequence) -> bool:
         running = [s for s in self.rows.values() if not s.output.finished]
@@ -264,7 +289,8 @@ class Scheduler:
         return await self.preempt_lowest()
 
     async def _start_choices(self, lead: Sequence, group: list[Sequence], logits: torch.Tensor) -> bool:
-        """Fork the prompt's pages to every choice and sample each one's first token."""
+        """Fork the prompt's pages to every choice and sample each one's first token
+        (max_tokens 0: finish every choice with none)."""
         req = lead.request
         for seq in group[1:]:
             child, copies = self.pool.fork(lead.kv_seq)
@@ -272,6 +298,20 @@ class Scheduler:
                 self.runner.copy_page(group_id, src, dst)
             seq.kv_seq = child
             self.by_kv[child] = seq
+        if lead.remaining == 0:
+            for seq in group:
+                seq.output.finish_empty()
+        else:
+            self._sample_first_tokens(group, logits)
+        req.publish()
+        for seq in group:
+            if seq.output.finished:
+                self._release(seq, SeqStatus.FINISHED)
+        self._retire_requests()
+        return any(not s.output.finished for s in group)
+
+    def _sample_first_tokens(self, group: list[Sequence], logits: torch.Tensor) -> None:
+        req = group[0].request
         req.first_token_time = now = time.monotonic()
         self.metrics.ttft.observe(now - req.arrival)
         for seq in group:
@@ -280,12 +320,6 @@ class Scheduler:
             seq.last_token_time = now
             seq.output.accept(token, lp)
             self.metrics.generation_tokens.inc()
-        req.publish()
-        for seq in group:
-            if seq.output.finished:
-                self._release(seq, SeqStatus.FINISHED)
-        self._retire_requests()
-        return any(not s.output.finished for s in group)
 
     async def _add_rows(self, group: list[Sequence]) -> None:
         await self.park()

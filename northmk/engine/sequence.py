@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from .output import ChoiceOutput
 from .sampling import RowSampler
-from .types import CompletionOutput, GenerationRequest, RequestOutput
+from .types import CompletionOutput, GenerationRequest, RequestOutput, TokenLogprob
 
 
 class SeqStatus(enum.Enum):
@@ -78,6 +78,7 @@ class RequestState:
         self.first_token_time: float | None = None
         self.scheduled_time: float | None = None  # the first prefill chunk began (end of the queue wait)
         self.prefilled = False  # the prompt's KV was computed once (n > 1 forks from it)
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None  # scored, not yet published
         self.done = False
 
     @property
@@ -96,6 +97,7 @@ class RequestState:
         if not deltas:
             return
         self.done = self.all_finished
+        prompt_logprobs, self.prompt_logprobs = self.prompt_logprobs, None  # sent once
         self.queue.put_nowait(RequestOutput(
             request_id=self.request_id,
             outputs=deltas,
@@ -103,4 +105,5 @@ class RequestState:
             num_cached_tokens=self.num_cached_tokens,
             first_token_time=self.first_token_time,
             scheduled_time=self.scheduled_time,
+            prompt_logprobs=prompt_logprobs,
         ))

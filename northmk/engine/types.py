@@ -60,7 +60,7 @@ class LogitsProcessor(Protocol):
 @dataclass
 class SamplingParams:
     n: int = 1
-    max_tokens: int | None = 16  # None: up to the context limit
+    max_tokens: int | None = 16  # None: up to the context limit; 0: prefill only (scores the prompt)
     min_tokens: int = 0
     temperature: float = 1.0  # 0 -> greedy
     top_p: float = 1.0
@@ -76,6 +76,9 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # None: none; k >= 0: chosen token plus top-k alternatives
+    # None: none; k >= 0: each prompt token's logprob plus its top-k alternatives (the prompt
+    # is prefilled without the prefix cache, whose pages hold KV but no logits)
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     logits_processors: list[LogitsProcessor] = field(default_factory=list)
 
@@ -100,6 +103,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)  # (token_id, logprob), best first
+    rank: int | None = None  # 1 + tokens strictly more likely; set for prompt tokens
 
 
 @dataclass
@@ -132,6 +136,9 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     first_token_time: float | None = None  # time.monotonic() of the first generated token
     scheduled_time: float | None = None  # time.monotonic() when the prompt's first prefill chunk began
+    # SamplingParams.prompt_logprobs: one entry per prompt token (None first: no context), in
+    # the request's first output only
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 OnTokenCallback = Callable[[RequestOutput], None]

@@ -44,7 +44,7 @@ def validate_request(request: GenerationRequest, vocab_size: int, max_model_len:
     n = _integer(p.n, "n")
     _check(1 <= n <= engine.max_batch, f"n must be in [1, {engine.max_batch}], got {n}", "n")
     if p.max_tokens is not None:
-        _check(_integer(p.max_tokens, "max_tokens") >= 1, f"max_tokens must be >= 1, got {p.max_tokens}", "max_tokens")
+        _check(_integer(p.max_tokens, "max_tokens") >= 0, f"max_tokens must be >= 0, got {p.max_tokens}", "max_tokens")
         _check(len(prompt) + p.max_tokens <= max_model_len,
                f"prompt ({len(prompt)} tokens) + max_tokens ({p.max_tokens}) exceeds the context of {max_model_len}",
                "max_tokens")
@@ -67,6 +67,7 @@ def validate_request(request: GenerationRequest, vocab_size: int, max_model_len:
     _check(all(isinstance(s, str) and s for s in p.stop), "stop strings must be non-empty strings", "stop")
     if p.seed is not None:
         _integer(p.seed, "seed")
-    if p.logprobs is not None:
-        k = _integer(p.logprobs, "logprobs")
-        _check(0 <= k <= engine.max_logprobs, f"logprobs must be in [0, {engine.max_logprobs}], got {k}", "logprobs")
+    for name in ("logprobs", "prompt_logprobs"):
+        if getattr(p, name) is not None:
+            k = _integer(getattr(p, name), name)
+            _check(0 <= k <= engine.max_logprobs, f"{name} must be in [0, {engine.max_logprobs}], got {k}", name)

@@ -26,6 +26,7 @@ MinP = Annotated[float, Meta(ge=0.0, le=1.0)]
 TopK = Annotated[int, Meta(ge=-1)]  # -1 and 0 turn it off
 Choices = Annotated[int, Meta(ge=1, le=MAX_N)]
 MaxTokens = Annotated[int, Meta(ge=1)]
+ScoringMaxTokens = Annotated[int, Meta(ge=0)]  # completions: 0 returns the (echoed, scored) prompt alone
 MinTokens = Annotated[int, Meta(ge=0)]
 Seed = Annotated[int, Meta(ge=-MAX_SEED, le=MAX_SEED)]
 TokenId = Annotated[int, Meta(ge=0)]
@@ -98,6 +99,8 @@ class SamplingFields(Struct, kw_only=True):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False
+    # each prompt token's logprob + top-k: in each choice (completions), top-level (chat)
+    prompt_logprobs: TopLogprobs | None = None
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -125,9 +128,9 @@ PromptItem = str | TokenId | list[TokenId]
 
 class CompletionRequest(SamplingFields, kw_only=True):
     prompt: str | list[PromptItem]
-    max_tokens: MaxTokens | None = 16
+    max_tokens: ScoringMaxTokens | None = 16
     echo: bool = False
-    logprobs: TopLogprobs | None = None
+    logprobs: TopLogprobs | None = None  # with echo, the prompt's tokens come first (the first without one)
     suffix: str | None = None
     best_of: Choices | None = None
     add_special_tokens: bool = True
@@ -182,6 +185,18 @@ class ChatLogprobs(Struct):
     content: list[ChatTokenLogprob]
 
 
+class PromptLogprob(Struct):
+    """vLLM's Logprob: one token of a prompt position (the prompt's own, or an alternative)."""
+
+    logprob: float
+    rank: int  # 1: the most likely token
+    decoded_token: str
+
+
+# vLLM's prompt_logprobs: per prompt token, None first, then {token id: PromptLogprob}
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionLogprobs(Struct):
     tokens: list[str]
     token_logprobs: list[float | None]
@@ -220,6 +235,7 @@ class ChatCompletion(Struct):
     usage: Usage
     object: str = "chat.completion"
     prompt_token_ids: list[int] | UnsetType = UNSET
+    prompt_logprobs: PromptLogprobs | UnsetType = UNSET
 
 
 class ChatDelta(Struct):
@@ -256,6 +272,7 @@ class CompletionChoice(Struct):
     stop_reason: str | int | None = None
     token_ids: list[int] | UnsetType = UNSET
     prompt_token_ids: list[int] | UnsetType = UNSET
+    prompt_logprobs: PromptLogprobs | UnsetType = UNSET
 
 
 class Completion(Struct):

@@ -125,10 +125,9 @@ def check_completion(req: CompletionRequest) -> None:
             raise InvalidRequest(str(error), param=error.param) from None
         if json_rule is not None and req.echo:
             raise InvalidRequest("`echo` with a JSON response_format is not supported", param="echo")
-    if req.echo and req.logprobs is not None:
-        raise InvalidRequest(
-            "`echo` with `logprobs` (prompt logprobs) is not supported", param="echo"
-        )
+    if req.max_tokens == 0 and not req.echo and req.prompt_logprobs is None:
+        raise InvalidRequest("`max_tokens: 0` returns only the prompt: it needs `echo` or `prompt_logprobs`",
+                             param="max_tokens")
     _check_common(req)
 
 
@@ -138,6 +137,8 @@ def _check_common(req: SamplingFields) -> None:
         raise InvalidRequest("stop strings must not be empty", param="stop")
     if req.stream_options is not None and not req.stream:
         raise InvalidRequest("`stream_options` is only allowed with `stream: true`", param="stream_options")
+    if req.stream and req.prompt_logprobs is not None:  # as vLLM; streamed echo + logprobs carries them
+        raise InvalidRequest("`prompt_logprobs` is not available with `stream: true`", param="prompt_logprobs")
 
 
 def prompt_batches(prompt: str | list) -> list[str] | list[list[int]]:
@@ -181,7 +182,7 @@ def fit_max_tokens(
 
 
 def sampling_params(
-    req: SamplingFields, max_tokens: int, logprobs: int | None, vocab_size: int
+    req: SamplingFields, max_tokens: int, logprobs: int | None, vocab_size: int, prompt_logprobs: int | None = None
 ) -> SamplingParams:
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     stop_token_ids = list(req.stop_token_ids or [])
@@ -204,6 +205,7 @@ def sampling_params(
         ignore_eos=req.ignore_eos,
         include_stop_str_in_output=req.include_stop_str_in_output,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         skip_special_tokens=req.skip_special_tokens,
     )
 

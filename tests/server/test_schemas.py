@@ -133,12 +133,32 @@ def test_completion_prompt_shapes(prompt, expected):
     ({"response_format": {"type": "json_object"}, "echo": True}, "echo"),
     ({"prompt": []}, "prompt"), ({"prompt": ["a", 1]}, "prompt"), ({"prompt": [[1], []]}, "prompt"),
     ({"prompt": [1.5]}, "prompt"), ({"prompt": [-3]}, "prompt"), ({"prompt": None}, "prompt"),
-    ({"suffix": "x"}, "suffix"), ({"best_of": 3}, "best_of"), ({"echo": True, "logprobs": 1}, "echo"),
+    ({"suffix": "x"}, "suffix"), ({"best_of": 3}, "best_of"),
     ({"logprobs": 21}, "logprobs"), ({"logprobs": True}, "logprobs"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs"), ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt_logprobs": 1.5}, "prompt_logprobs"), ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ({"max_tokens": -1}, "max_tokens"), ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 0, "logprobs": 2}, "max_tokens"),
 ])
 def test_bad_completion_requests_are_400(fields, param):
     error = refusal(lambda: completion(**fields))
     assert error.status == 400 and error.param.startswith(param)
+
+
+@pytest.mark.parametrize("fields", [
+    {"echo": True, "logprobs": 1}, {"echo": True, "max_tokens": 0}, {"prompt_logprobs": 0, "max_tokens": 0},
+    {"echo": True, "logprobs": 2, "stream": True}, {"prompt_logprobs": 20},
+])
+def test_prompt_scoring_completion_requests_are_accepted(fields):
+    req = completion(**fields)
+    params = sampling_params(req, req.max_tokens, req.logprobs, VOCAB, req.prompt_logprobs)
+    assert params.max_tokens == fields.get("max_tokens", 16) and params.prompt_logprobs == fields.get("prompt_logprobs")
+
+
+@pytest.mark.parametrize("fields", [{"prompt_logprobs": 21}, {"prompt_logprobs": 2, "stream": True}])
+def test_chat_prompt_logprobs_out_of_range_or_streamed_are_400(fields):
+    error = refusal(lambda: chat(**fields))
+    assert error.status == 400 and error.param == "prompt_logprobs"
 
 
 def test_unknown_model_is_404_and_no_model_means_the_first_served_name():

@@ -79,6 +79,19 @@ def test_completions_with_stop_seed_n_and_logprobs(sdk):
     assert streamed == choice.text
 
 
+def test_completions_score_a_prompt_with_echo_and_max_tokens_zero(sdk):
+    prompt = [2, 17, 99, 301, 5]
+    scored = sdk.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1,
+                                    extra_body={"prompt_logprobs": 1})
+    choice = scored.choices[0]
+    assert choice.finish_reason == "length" and scored.usage.completion_tokens == 0
+    assert len(choice.logprobs.tokens) == len(prompt) and choice.logprobs.token_logprobs[0] is None
+    assert all(lp <= 0 for lp in choice.logprobs.token_logprobs[1:])
+    vllm = choice.model_extra["prompt_logprobs"]
+    assert vllm[0] is None and [vllm[i][str(t)]["logprob"] for i, t in enumerate(prompt) if i] == \
+        choice.logprobs.token_logprobs[1:]
+
+
 def test_chat_logprobs_and_top_logprobs(sdk):
     reply = sdk.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3, temperature=0,
                                         logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})

@@ -19,12 +19,12 @@ from ...engine.types import CompletionOutput, EngineError, FinishReason, Generat
 from ...parsing.cohere import reasoning_enabled
 from .. import schemas
 from ..errors import APIError, InvalidRequest, as_api_error
-from ..logprobs import chat_logprobs
+from ..logprobs import chat_logprobs, prompt_logprobs
 from ..output_parser import OutputParser, ParsedDelta, SpecialTextParser
 from ..schemas import (
-    UNSET, given,
+    UNSET, UnsetType, given,
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
-    ChatCompletionRequest, ChatDelta, ChatLogprobs, ToolCall, ToolCallFunction,
+    ChatCompletionRequest, ChatDelta, ChatLogprobs, PromptLogprobs, ToolCall, ToolCallFunction,
 )
 from ..state import PARSER_FACTORY, TOKENS
 from ..streaming import EventStream
@@ -102,12 +102,13 @@ class ChatRun:
                         for _ in range(req.n)]
         self.num_prompt_tokens = len(self.prompt_ids)
         self.num_cached_tokens = 0
+        self.prompt_logprobs: PromptLogprobs | UnsetType = UNSET  # vLLM's extra, top-level in the reply
         self.generation: GenerationRequest | None = None
         self.last: RequestOutput | None = None
 
     async def generation_request(self) -> GenerationRequest:
         vocab = self.engine.model_config.vocab_size
-        params = sampling_params(self.req, self.max_tokens, self.logprobs, vocab)
+        params = sampling_params(self.req, self.max_tokens, self.logprobs, vocab, self.req.prompt_logprobs)
         params.skip_special_tokens = False  # the parser reads the reply's structure from them
         params.logits_processors = await self._constraints()
         self.generation = GenerationRequest(self.id, self.prompt_ids, params)
@@ -136,6 +137,9 @@ class ChatRun:
         self.last = output
         self.num_prompt_tokens = output.num_prompt_tokens
         self.num_cached_tokens = output.num_cached_tokens
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = prompt_logprobs(output.prompt_logprobs, self.tokens.token_text,
+                                                   self.req.prompt_logprobs)
 
     def trace(self, request: web.Request) -> None:
         if self.generation is not None:
@@ -155,7 +159,8 @@ class ChatRun:
     def completion(self) -> ChatCompletion:
         choices = [self._choice(i, c) for i, c in enumerate(self.choices)]
         return ChatCompletion(self.id, self.created, self.model, choices, self.usage(),
-                              prompt_token_ids=self.prompt_ids if self.req.return_token_ids else UNSET)
+                              prompt_token_ids=self.prompt_ids if self.req.return_token_ids else UNSET,
+                              prompt_logprobs=self.prompt_logprobs)
 
     def _choice(self, index: int, state: ChoiceState) -> ChatChoice:
         message = AssistantMessage(

@@ -2,7 +2,9 @@
 
 A request with P prompts and n choices each runs as P engine requests; choice
 `p * n + j` is choice j of prompt p, as in OpenAI's API. A JSON response_format makes each
-choice's whole text that JSON (grammar masks, no chat wrapper).
+choice's whole text that JSON (grammar masks, no chat wrapper). `echo` with `logprobs`
+lists the prompt's tokens first; the engine scores the prompt (prompt logprobs), which
+arrive with each prompt's first output, so a stream sends a prompt's echo chunk then.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from ...engine.types import CompletionOutput, EngineError, GenerationRequest, Re
 from .. import schemas
 from ..schemas import UNSET
 from ..errors import APIError, InvalidRequest, as_api_error
-from ..logprobs import completion_logprobs, extend
-from ..schemas import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest
+from ..logprobs import completion_logprobs, echo_logprobs, extend, prompt_logprobs
+from ..schemas import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest, PromptLogprobs
 from ..state import TOKENS
 from ..streaming import EventStream
 from ..validation import check_completion, fit_max_tokens, prompt_batches, sampling_params
@@ -51,6 +53,8 @@ class CompletionRun:
                            for ids in self.prompt_ids]
         self.choices = [ChoiceState(p) for p in range(len(self.prompt_ids)) for _ in range(req.n)]
         self.cached_tokens: dict[int, int] = {}  # prompt -> tokens served from the prefix cache
+        self.echoed_logprobs: dict[int, CompletionLogprobs] = {}  # prompt -> its part of echoed logprobs
+        self.prompt_logprobs: dict[int, PromptLogprobs] = {}  # prompt -> vLLM's prompt_logprobs
         self.generations: list[GenerationRequest] = []
         self.last: dict[int, RequestOutput] = {}  # prompt -> its latest output
 
@@ -64,13 +68,19 @@ class CompletionRun:
         many = len(self.prompt_ids) > 1
         self.generations = [
             GenerationRequest(f"{self.id}-{p}" if many else self.id, ids,
-                              sampling_params(self.req, self.max_tokens[p], self.req.logprobs, vocab))
+                              sampling_params(self.req, self.max_tokens[p], self.req.logprobs, vocab,
+                                              self._num_prompt_top()))
             for p, ids in enumerate(self.prompt_ids)
         ]
         if self.req.response_format is not None:
             for generation in self.generations:  # one grammar state per request
                 generation.params.logits_processors = await self._constraints()
         return self.generations
+
+    def _num_prompt_top(self) -> int | None:
+        """Alternatives per prompt token the engine must score: the most either use asks for."""
+        asked = [self.req.prompt_logprobs, self.req.logprobs if self.req.echo else None]
+        return max((k for k in asked if k is not None), default=None)
 
     async def _constraints(self) -> list:
         try:
@@ -103,6 +113,8 @@ class CompletionRun:
         """Fold one engine output into the choices; returns (choice index, delta, its logprobs)."""
         self.cached_tokens[prompt] = output.num_cached_tokens
         self.last[prompt] = output
+        if output.prompt_logprobs is not None:
+            self._record_prompt(prompt, output.prompt_logprobs)
         changed = []
         for out in output.outputs:
             index = prompt * self.req.n + out.index
@@ -121,6 +133,18 @@ class CompletionRun:
             changed.append((index, out, logprobs))
         return changed
 
+    def _record_prompt(self, prompt: int, items: list) -> None:
+        """The prompt's logprobs open each echoed choice's logprobs, and fill prompt_logprobs."""
+        req = self.req
+        if req.prompt_logprobs is not None:
+            self.prompt_logprobs[prompt] = prompt_logprobs(items, self.tokens.token_text, req.prompt_logprobs)
+        if req.echo and req.logprobs is not None:
+            echoed = echo_logprobs(self.prompt_ids[prompt], items, self.tokens.token_text, req.logprobs)
+            self.echoed_logprobs[prompt] = echoed
+            for state in self.choices[prompt * req.n: (prompt + 1) * req.n]:
+                state.logprobs = CompletionLogprobs([], [], [], [])
+                extend(state.logprobs, echoed)
+
     def echo(self) -> None:
         if self.req.echo:
             for state in self.choices:
@@ -135,7 +159,8 @@ class CompletionRun:
         choices = [
             CompletionChoice(i, "".join(c.text), c.logprobs, c.finish_reason, c.stop_reason,
                              token_ids=c.token_ids if ids else UNSET,
-                             prompt_token_ids=self.prompt_ids[c.prompt] if ids else UNSET)
+                             prompt_token_ids=self.prompt_ids[c.prompt] if ids else UNSET,
+                             prompt_logprobs=self.prompt_logprobs.get(c.prompt, UNSET))
             for i, c in enumerate(self.choices)
         ]
         return Completion(self.id, self.created, self.model, choices, usage=self.usage())
@@ -146,21 +171,25 @@ class CompletionRun:
             usage = self.usage()
         return schemas.encode(Completion(self.id, self.created, self.model, choices, usage=usage))
 
-    def first_chunks(self) -> list[bytes]:
-        """Per choice: the echoed prompt and/or its prompt token ids, when asked for."""
-        if not (self.req.echo or self.req.return_token_ids):
+    def first_chunks(self, prompt: int) -> list[bytes]:
+        """Per choice of `prompt`: the echoed prompt (with its logprobs) and/or its token ids, when asked for."""
+        req = self.req
+        if not (req.echo or req.return_token_ids):
             return []
+        text = self.prompt_text(prompt) if req.echo else ""
         return [
             self.chunk([CompletionChoice(
-                i, "".join(c.text), None, None,
-                prompt_token_ids=self.prompt_ids[c.prompt] if self.req.return_token_ids else UNSET,
+                index, text, self.echoed_logprobs.get(prompt), None,
+                prompt_token_ids=self.prompt_ids[prompt] if req.return_token_ids else UNSET,
             )])
-            for i, c in enumerate(self.choices)
+            for index in range(prompt * req.n, (prompt + 1) * req.n)
         ]
 
     def delta_chunks(self, prompt: int, output: RequestOutput) -> list[bytes]:
-        events = []
-        for index, out, logprobs in self.record(prompt, output):
+        first = prompt not in self.last
+        changed = self.record(prompt, output)  # first: it brings the prompt's logprobs
+        events = self.first_chunks(prompt) if first else []
+        for index, out, logprobs in changed:
             token_ids = out.token_ids if self.req.return_token_ids else UNSET
             if out.text or out.token_ids:
                 events.append(self.chunk([CompletionChoice(index, out.text, logprobs, None, token_ids=token_ids)]))
@@ -197,7 +226,6 @@ async def _stream(request: web.Request, run: CompletionRun, outputs) -> web.Stre
     async with contextlib.aclosing(outputs):
         try:
             await stream.open()
-            await stream.send(run.first_chunks())
             async for prompt, output in outputs:
                 await stream.send(run.delta_chunks(prompt, output))
             await stream.send(run.usage_chunk())
