@@ -4,7 +4,7 @@ import pytest
 
 from northmk.checkpoint_writer import config_dict, write_checkpoint
 
-from .helpers import ALIAS, MAX_MODEL_LEN, MODEL
+from .helpers import ALIAS, DEVICE, MAX_MODEL_LEN, MODEL
 
 
 @pytest.fixture(scope="session")
@@ -20,7 +20,7 @@ def make_client(aiohttp_client, tiny_checkpoint):
     from northmk.server import ServerConfig, create_app
 
     async def make(engine: dict | None = None, server: dict | None = None, **app_options):
-        engine_config = EngineConfig(**{"model": tiny_checkpoint, "max_batch": 4, "max_model_len": MAX_MODEL_LEN,
+        engine_config = EngineConfig(**{"model": tiny_checkpoint, "device": DEVICE, "max_batch": 4, "max_model_len": MAX_MODEL_LEN,
                                         **(engine or {})})
         server_config = ServerConfig(served_model_names=(MODEL, ALIAS), model_root=str(tiny_checkpoint),
                                      drain_timeout_s=1.0, **(server or {}))

@@ -1,15 +1,26 @@
 """Names and small HTTP helpers shared by the server tests."""
 
 import json
+import os
 import socket
 import subprocess
 import time
 import urllib.request
+from pathlib import Path
+
+import northmk
 
 MODEL = "tiny"
 ALIAS = "tiny-alias"
 MAX_MODEL_LEN = 256
 STARTUP_S = 90  # a `python -m northmk.serve` process becomes healthy within this
+# Where the engine under test runs: the CPU in CI; tools/gpu_run.sh sets cuda.
+DEVICE = os.environ.get("NORTHMK_TEST_DEVICE", "cpu")
+
+
+def serve_env(**extra: str) -> dict[str, str]:
+    """Environment for a `python -m northmk.serve` child importing the same northmk as this test."""
+    return {**os.environ, "PYTHONPATH": str(Path(northmk.__file__).resolve().parents[1]), **extra}
 
 
 async def post(client, path: str, body: dict, status: int = 200) -> dict:

@@ -18,7 +18,9 @@ import openai
 import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
-from .helpers import PERSON, TIME, TOOL_SCHEMAS, TOOLS, assert_clean, free_port, special_texts, wait_healthy
+from .helpers import (
+    DEVICE, PERSON, TIME, TOOL_SCHEMAS, TOOLS, assert_clean, free_port, serve_env, special_texts, wait_healthy,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "north-agents"
@@ -87,8 +89,9 @@ def sdk(tiny_checkpoint, collector):
     port = free_port()
     otel = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{collector.server_port}",
             "OTEL_SERVICE_NAME": SERVICE, "OTEL_BSP_SCHEDULE_DELAY": "100"}
-    env = {**os.environ, "PYTHONPATH": str(ROOT), **otel}
-    command = [sys.executable, "-m", "northmk.serve", "--model", str(tiny_checkpoint), "--port", str(port),
+    env = serve_env(**otel)
+    command = [sys.executable, "-m", "northmk.serve", "--model", str(tiny_checkpoint), "--device", DEVICE,
+               "--port", str(port),
                "--served-model-name", MODEL, "--max-model-len", "1024", "--max-batch", "4",
                "--drain-timeout", "1", "--log-level", "warning"]
     process = subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,

@@ -14,7 +14,7 @@ import pytest
 
 from northmk.serve import main
 
-from .helpers import MODEL, free_port, wait_healthy
+from .helpers import DEVICE, MODEL, free_port, serve_env, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "test-key"
@@ -23,8 +23,9 @@ KEY = "test-key"
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint):
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "NORTHMK_API_KEY": KEY}
-    command = [sys.executable, "-m", "northmk.serve", "--model", str(tiny_checkpoint), "--port", str(port),
+    env = serve_env(NORTHMK_API_KEY=KEY)
+    command = [sys.executable, "-m", "northmk.serve", "--model", str(tiny_checkpoint), "--device", DEVICE,
+               "--port", str(port),
                "--served-model-name", MODEL, "--max-model-len", "256", "--max-batch", "4",
                "--drain-timeout", "2", "--log-level", "warning"]
     process = subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -116,7 +117,7 @@ def test_sdk_error_classes(sdk, server):
 def test_bench_serving_reports_latencies(server):
     command = [sys.executable, "tools/bench_serving.py", "--url", server[0], "--api-key", KEY,
                "--num-requests", "6", "--concurrency", "3", "--prompt-lens", "8,24", "--max-tokens", "5", "--json"]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(command, cwd=ROOT, env=serve_env(), capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert report["succeeded"] == 6 and report["failed"] == 0
