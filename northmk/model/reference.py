@@ -187,16 +187,18 @@ def route(router_logits: torch.Tensor, top_k: int, selection: str, norm_topk_pro
 
 def moe_experts(h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
                 gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """sum_k weights[t, k] * expert_{experts[t, k]}(h[t]) over (token, choice) pairs grouped by expert.
+    """sum_k weights[t, k] * expert_{experts[t, k]}(h[t]), each token's experts added in ascending id.
 
-    h [T, H]; weights, experts [T, K]; gate_up [E, 2I, H]; down [E, H, I]. One grouped GEMM per
-    projection where torch has one for these operands, else one GEMM per routed expert.
+    h [T, H]; weights, experts [T, K]; gate_up [E, 2I, H]; down [E, H, I]. The GEMMs run over
+    (token, choice) pairs grouped by expert: one grouped GEMM per projection where torch has
+    one for these operands, else one GEMM per routed expert. The sum is deterministic and in
+    transformers' order and precision (a rounding add per expert, lowest id first).
     """
+    tokens, top_k = experts.shape
     flat = experts.flatten()
-    order = torch.argsort(flat, stable=True)
+    order = torch.argsort(flat, stable=True)  # pairs grouped by expert
     counts = torch.bincount(flat, minlength=gate_up.shape[0])
-    tokens = order // experts.shape[1]  # [T*K] token of each pair, sorted by expert
-    x = h[tokens]
+    x = h[order // top_k]
     if _grouped_mm_supported(x, gate_up, down):
         offsets = counts.cumsum(0).to(torch.int32)
         gate, up = torch._grouped_mm(x, gate_up.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
@@ -208,8 +210,14 @@ def moe_experts(h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
             if n:
                 y[start:start + n] = swiglu(x[start:start + n], gate_up[e], down[e])
                 start += n
+    per_pair = torch.empty_like(y)
+    per_pair[order] = y  # back to (token, choice) order
+    per_pair = per_pair.view(tokens, top_k, -1) * weights[..., None]
+    by_id = experts.argsort(dim=-1)
+    per_pair = per_pair.gather(1, by_id[..., None].expand_as(per_pair))
     out = torch.zeros_like(h)
-    out.index_add_(0, tokens, (y * weights.flatten()[order, None]).to(out.dtype))
+    for k in range(top_k):
+        out = out + per_pair[:, k].to(out.dtype)
     return out
 
 
