@@ -479,6 +479,12 @@ NMK_API nmk_status nmk_mk_debug_bytes(const nmk_mk *mk, uint64_t *out);
  * nmk_mk_debug_bytes, owned by the caller, alive while set). NULL turns recording off. */
 NMK_API nmk_status nmk_mk_set_debug(nmk_mk *mk, void *buffer, uint64_t bytes);
 
+/* Task timing, for profiling: from the next step on, task i of the step's concatenated
+ * lists (i < capacity) writes buffer[4 i .. 4 i + 3] (device memory, owned by the caller,
+ * alive while set): globaltimer ns when its wait began, when it started running, when it
+ * ended, and op | layer << 8. Tasks at or past capacity are not timed. NULL turns it off. */
+NMK_API nmk_status nmk_mk_set_timing(nmk_mk *mk, uint64_t *buffer, uint32_t capacity);
+
 /* ==== end megakernel ==== */
 
 #ifdef __cplusplus

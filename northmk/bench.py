@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import subprocess
 import sys
 import time
@@ -16,7 +17,7 @@ import torch
 
 from .checkpoint import synthetic_weights
 from .config import PAGE_SIZE, SLIDING, ModelConfig
-from .megakernel import Megakernel
+from .megakernel import Megakernel, Opcode
 from .model.kv import PagedKVCache
 
 DATASHEET_BW = {"H200": 4.8e12, "H100": 3.35e12}  # bytes/s
@@ -83,12 +84,37 @@ def bench_megakernel(config, weights, batch: int, context: int, steps: int) -> d
         _, tokens = mk.step(tokens, positions, tables)
         tokens.tolist()
     seconds = (time.perf_counter() - start) / steps
+    timing = profile(mk, tokens, positions, tables)
     mk.enable_debug()  # one more step, traced, for the experts it really routed to
     mk.step(tokens, positions, tables)
     distinct = routed_distinct(config, mk.trace(batch).experts)
     mk.close()
     return {"backend": "megakernel", "batch": batch, "context": context, "ms_per_step": seconds * 1e3,
-            "tok_s": batch / seconds, "distinct_experts": distinct}
+            "tok_s": batch / seconds, "distinct_experts": distinct, "profile": timing}
+
+
+def profile(mk: Megakernel, tokens: torch.Tensor, positions: list[int], tables: list[torch.Tensor]) -> dict:
+    """One timed step: its span, and per opcode the tasks, the summed run and wait time (us)."""
+    mk.enable_timing()
+    mk.step(tokens, positions, tables)
+    torch.cuda.synchronize()
+    t = mk.task_times()
+    ops = {}
+    for op in Opcode:
+        mine = t[(t[:, 3] & 0xFF) == op]
+        if len(mine):
+            ops[op.name] = {"tasks": len(mine), "run_us": (mine[:, 2] - mine[:, 1]).sum().item() / 1e3,
+                            "wait_us": (mine[:, 1] - mine[:, 0]).sum().item() / 1e3,
+                            "max_run_us": (mine[:, 2] - mine[:, 1]).max().item() / 1e3}
+    norms = t[(t[:, 3] & 0xFF) == Opcode.NORM][:, 1].sort().values
+    layer_us = (norms[-1] - norms[0]).item() / 1e3 / max(1, len(norms) - 1)
+    return {"span_us": t[:, 2].max().item() / 1e3, "layer_us": layer_us, "ops": ops}
+
+
+def print_profile(prof: dict) -> None:
+    print(f"  timed step span {prof['span_us']:.0f} us, {prof['layer_us']:.1f} us per layer; per opcode: tasks, summed run / wait us, longest run us")
+    for name, o in sorted(prof["ops"].items(), key=lambda kv: -kv[1]["run_us"]):
+        print(f"  {name:>10} {o['tasks']:6d} {o['run_us']:12.0f} {o['wait_us']:12.0f} {o['max_run_us']:9.1f}")
 
 
 def routed_distinct(config: ModelConfig, experts: torch.Tensor) -> float:
@@ -112,9 +138,11 @@ def decode(args) -> None:
         rows.append(row)
         print(f"batch {batch}: {row['tok_s']:.1f} tok/s, {row['ms_per_step']:.3f} ms/step, "
               f"{100 * row['sol_fraction']:.1f}% of SoL", flush=True)
+        print_profile(row["profile"])
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True).stdout.strip()
     commit = f"{commit}-dirty" if commit and dirty else commit
+    commit = commit or os.environ.get("NORTHMK_COMMIT", "")  # device copies carry no git metadata
     result = {"device": device, "commit": commit or "uncommitted", "date": datetime.date.today().isoformat(),
               "command": " ".join(sys.argv), "copy_bandwidth_bytes_s": copy_bw,
               "sol_note": "bytes at the datasheet bandwidth, distinct experts from a traced step's routing",

@@ -116,6 +116,8 @@ _PROTOTYPES = {
     "nmk_mk_debug_bytes": (c_int32, [c_void_p, POINTER(c_uint64)]),
     # nmk_status nmk_mk_set_debug(nmk_mk *, void *buffer, uint64_t bytes)
     "nmk_mk_set_debug": (c_int32, [c_void_p, c_void_p, c_uint64]),
+    # nmk_status nmk_mk_set_timing(nmk_mk *, uint64_t *buffer, uint32_t capacity)
+    "nmk_mk_set_timing": (c_int32, [c_void_p, c_void_p, c_uint32]),
     # nmk_status nmk_mk_step(nmk_mk *, const nmk_mk_step_args *, void *stream)
     "nmk_mk_step": (c_int32, [c_void_p, POINTER(StepArgs), c_void_p]),
 }
@@ -278,6 +280,20 @@ class Megakernel:
         experts = self._debug[floats:].view(c.num_layers, MAX_BATCH, c.top_k)[:, :batch].long()
         x, attn, mlp = (stages[:, s, :batch].clone() for s in DebugStage)
         return MegakernelTrace(x, attn, mlp, experts)
+
+    def enable_timing(self, capacity: int = 1 << 16) -> None:
+        """Time each task of every later step (the first `capacity` of its lists)."""
+        self._timing = torch.zeros(capacity, 4, dtype=torch.int64, device=self.weights.device)
+        check(_lib().nmk_mk_set_timing(self._handle, self._timing.data_ptr(), capacity))
+
+    def task_times(self) -> torch.Tensor:
+        """int64 [tasks, 4] of the last timed step: ns when each task's wait began, its run
+        began and it ended (globaltimer, relative to the step's first), and op | layer << 8."""
+        if getattr(self, "_timing", None) is None:
+            raise RuntimeError("call enable_timing() before the step to time")
+        t = self._timing[self._timing[:, 2] > 0].cpu()
+        t[:, :3] -= t[:, 0].min()
+        return t
 
     def step(self, tokens: torch.Tensor, positions: list[int], block_tables: list[torch.Tensor],
              logits: torch.Tensor | None = None, next_tokens: torch.Tensor | None = None

@@ -65,6 +65,10 @@ struct Params {
     // debug capture (nmk_mk_set_debug), null when off
     float *debug;              // [num_layers + 1, NMK_MK_DEBUG_STAGES, B, H]
     int32_t *debug_experts;    // [num_layers, B, top_k]
+    // task timing (nmk_mk_set_timing), null when off: per task of the concatenated lists,
+    // globaltimer ns when its wait began, its run began and it ended, and op | layer << 8
+    uint64_t *timing;          // [timing_capacity, 4]
+    uint32_t timing_capacity;
 };
 
 }  // namespace nmk::mk

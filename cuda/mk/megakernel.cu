@@ -224,6 +224,14 @@ NMK_API nmk_status nmk_mk_set_debug(nmk_mk *mk, void *buffer, uint64_t bytes) {
     return NMK_OK;
 }
 
+NMK_API nmk_status nmk_mk_set_timing(nmk_mk *mk, uint64_t *buffer, uint32_t capacity) {
+    NMK_REQUIRE(mk, "nmk_mk_set_timing: NULL argument");
+    NMK_REQUIRE(!buffer || capacity > 0, "nmk_mk_set_timing: capacity must be positive");
+    mk->params.timing = buffer;
+    mk->params.timing_capacity = buffer ? capacity : 0;
+    return NMK_OK;
+}
+
 NMK_API nmk_status nmk_mk_step(nmk_mk *mk, const nmk_mk_step_args *a, void *stream) {
     NMK_REQUIRE(mk && a && a->host_positions && a->tokens && a->positions && a->logits && a->next_tokens,
                 "nmk_mk_step: NULL argument");

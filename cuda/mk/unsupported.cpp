@@ -17,6 +17,9 @@ NMK_API nmk_status nmk_mk_debug_bytes(const nmk_mk *, uint64_t *) {
 NMK_API nmk_status nmk_mk_set_debug(nmk_mk *, void *, uint64_t) {
     return nmk::fail(NMK_ERR_UNSUPPORTED, "nmk_mk_set_debug: libnorthmk was built without CUDA");
 }
+NMK_API nmk_status nmk_mk_set_timing(nmk_mk *, uint64_t *, uint32_t) {
+    return nmk::fail(NMK_ERR_UNSUPPORTED, "nmk_mk_set_timing: libnorthmk was built without CUDA");
+}
 NMK_API nmk_status nmk_mk_step(nmk_mk *, const nmk_mk_step_args *, void *) {
     return nmk::fail(NMK_ERR_UNSUPPORTED, "nmk_mk_step: libnorthmk was built without CUDA");
 }

@@ -52,15 +52,28 @@ __device__ void run_task(const Params &p, const nmk_task &t, char *smem) {
     }
 }
 
+__device__ __forceinline__ uint64_t global_ns() {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
 template <int B>
 __device__ void run_list(const Params &p, char *smem) {
     const uint32_t begin = p.sm_offsets[blockIdx.x], end = p.sm_offsets[blockIdx.x + 1];
     for (uint32_t i = begin; i < end; i++) {
         const nmk_task t = p.tasks[i];
+        const bool timed = p.timing && i < p.timing_capacity;
+        uint64_t waited = timed ? global_ns() : 0;
         if (t.wait >= 0) wait_for(p.counters + t.wait, t.target);
+        uint64_t started = timed ? global_ns() : 0;
         run_task<B>(p, t, smem);
         if (t.signal >= 0) signal(p.counters + t.signal);
         else __syncthreads();
+        if (timed && threadIdx.x == 0) {
+            uint64_t *r = p.timing + 4 * (size_t)i;
+            r[0] = waited, r[1] = started, r[2] = global_ns(), r[3] = t.op | (uint32_t)t.layer << 8;
+        }
     }
 }
 

@@ -2,7 +2,12 @@
 
 Routing is checked on the kernel's own input at every layer (its experts must be the
 reference's top-k up to bf16 noise) and then shared with the reference, so the logits
-compare everything else end to end (northmk.megakernel_oracle)."""
+compare everything else end to end (northmk.megakernel_oracle). Every layer fed the
+kernel's own input must agree to AGREE_LAYER. End to end, bf16 rounding differences
+compound through 49 random-weight layers: two references (fp32 sums, torch's bf16 GEMMs)
+agree only to logits cosine ~0.997-0.999 there, so at full depth the kernel must agree with
+the reference at least as well as the two references agree with each other (and its
+argmax is checked where they agree on a clear one), and to AGREE at reduced depth."""
 
 from __future__ import annotations
 
@@ -11,8 +16,9 @@ import torch
 
 from northmk.checkpoint import synthetic_weights
 from northmk.config import PAGE_SIZE, ModelConfig
-from northmk.megakernel import Megakernel
-from northmk.megakernel_oracle import AGREE, LOGIT_NOISE, clear_argmax, cosine, first_divergence, layer_report, reference_step
+from northmk.megakernel import Megakernel, Schedule
+from northmk.megakernel_oracle import (AGREE, AGREE_LAYER, LOGIT_NOISE, clear_argmax, cosine, first_divergence,
+                                      layer_report, reference_step)
 from northmk.model.kv import BatchLayout, PagedKVCache
 
 pytestmark = pytest.mark.gpu
@@ -59,6 +65,7 @@ def step_both(config, weights, contexts: list[int], seed: int = 1):
     kv_ref = copy_cache(config, kv_mk)
     tokens = torch.randint(0, config.vocab_size, (rows,), device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
     positions = [c - 1 for c in contexts]
+    kv_floor = copy_cache(config, kv_mk) if config.num_layers > 4 else None
     mk = Megakernel(config, weights, kv_mk)
     mk.enable_debug()
     logits, next_tokens = mk.step(tokens, positions, tables)
@@ -66,17 +73,23 @@ def step_both(config, weights, contexts: list[int], seed: int = 1):
     trace = mk.trace(rows)
     layout = BatchLayout([1] * rows, positions, tables)
     oracle = reference_step(config, weights, tokens, layout, kv_ref, trace=trace)
-    return logits, next_tokens, trace, oracle, kv_mk, kv_ref, layout
+    other = None  # at full depth, the reference again with torch's bf16 GEMMs: its own spread
+    if kv_floor is not None:
+        other = reference_step(config, weights, tokens, layout, kv_floor, trace=trace, fp32_sums=False).logits
+    return logits, next_tokens, trace, oracle, other, kv_mk, kv_ref, layout
 
 
-def assert_matches(logits, next_tokens, trace, oracle):
+def assert_matches(logits, next_tokens, trace, oracle, other):
+    """other: a second reference's logits (or None): where the two references differ, the
+    kernel must be as close as they are, and an argmax they disagree on is not checked."""
     assert not oracle.routing_errors, oracle.routing_errors[:3]
     where = first_divergence(layer_report(trace, oracle))
     for r in range(oracle.logits.shape[0]):
         ref = oracle.logits[r]
-        cos = cosine(logits[r], ref)
-        assert cos >= AGREE, f"row {r}: logits cosine {cos:.5f}; first divergence: {where}"
-        if clear_argmax(ref):
+        floor = AGREE if other is None else cosine(other[r], ref)
+        cos, need = cosine(logits[r], ref), min(AGREE, floor - 1e-3)
+        assert cos >= need, f"row {r}: logits cosine {cos:.5f} < {need:.5f}; first divergence: {where}"
+        if clear_argmax(ref) and (other is None or other[r].argmax() == ref.argmax()):
             assert next_tokens[r].item() == ref.argmax().item(), f"row {r}: argmax differs"
         assert next_tokens[r].item() == logits[r].argmax().item()
 
@@ -97,26 +110,26 @@ def assert_same_new_kv(config, kv_mk, kv_ref, layout):
 def test_ragged_contexts_match_the_reference_at_full_geometry(full):
     config, weights = full
     contexts = [1, 100, 4095, 4096, 4097, 8192]
-    logits, next_tokens, trace, oracle, kv_mk, kv_ref, layout = step_both(config, weights, contexts)
-    assert_matches(logits, next_tokens, trace, oracle)
+    logits, next_tokens, trace, oracle, other, kv_mk, kv_ref, layout = step_both(config, weights, contexts)
+    assert_matches(logits, next_tokens, trace, oracle, other)
     assert_same_new_kv(config, kv_mk, kv_ref, layout)
 
 
 @pytest.mark.parametrize("contexts", [[8192], [8192, 3, 700, 4097, 8000, 64, 65, 2]])
 def test_batch_one_and_eight_match_the_reference(full, contexts):
     config, weights = full
-    logits, next_tokens, trace, oracle, *_ = step_both(config, weights, contexts, seed=len(contexts))
-    assert_matches(logits, next_tokens, trace, oracle)
+    logits, next_tokens, trace, oracle, other, *_ = step_both(config, weights, contexts, seed=len(contexts))
+    assert_matches(logits, next_tokens, trace, oracle, other)
 
 
 def test_every_layer_alone_matches_the_reference_fed_the_kernels_input(full):
     config, weights = full
     contexts = [4097, 33]
-    _, _, trace, _, _, _, layout = step_both(config, weights, contexts, seed=9)
+    _, _, trace, _, _, _, _, layout = step_both(config, weights, contexts, seed=9)
     kv_ref, _ = noisy_cache(config, len(contexts), max(contexts), seed=9)
     local = reference_step(config, weights, torch.zeros(2, dtype=torch.int32), layout, kv_ref, trace=trace, teacher=True)
     assert not local.routing_errors, local.routing_errors[:3]
-    assert first_divergence(layer_report(trace, local)) is None
+    assert first_divergence(layer_report(trace, local), AGREE_LAYER) is None
 
 
 def test_one_kernel_launch_per_step(full):
@@ -164,5 +177,20 @@ def test_greedy_steps_of_a_reduced_model_equal_the_reference():
 def test_reduced_layer_steps_match_the_reference(num_layers):
     config = north(num_layers=num_layers)
     weights = synthetic_weights(config, torch.bfloat16, "cuda", seed=num_layers)
-    logits, next_tokens, trace, oracle, *_ = step_both(config, weights, [1, 100, 4097])
-    assert_matches(logits, next_tokens, trace, oracle)
+    logits, next_tokens, trace, oracle, other, *_ = step_both(config, weights, [1, 100, 4097])
+    assert_matches(logits, next_tokens, trace, oracle, other)
+
+
+def test_task_timing_covers_every_task_of_the_step():
+    config = north(num_layers=2)
+    weights = synthetic_weights(config, torch.bfloat16, "cuda", seed=2)
+    kv, tables = noisy_cache(config, 2, 300, seed=4)
+    mk = Megakernel(config, weights, kv)
+    mk.enable_timing()
+    mk.step(torch.tensor([1, 2], dtype=torch.int32, device="cuda"), [10, 299], tables)
+    torch.cuda.synchronize()
+    t = mk.task_times()
+    schedule = Schedule(config, mk.num_sms, [512, 512])  # the kernel's schedule: lengths bucketed up
+    assert len(t) == len(schedule.tasks)
+    assert sorted((t[:, 3] & 0xFF).tolist()) == sorted(schedule.tasks["op"].tolist())
+    assert ((t[:, 0] <= t[:, 1]) & (t[:, 1] <= t[:, 2])).all() and t[:, 0].min() == 0
