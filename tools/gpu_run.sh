@@ -4,10 +4,12 @@
 #   SANITIZE=1  compute-sanitizer memcheck + racecheck on one step of a small 2-layer model
 #   DIAG=1      per-layer divergence of full-geometry steps (tools/mk_diagnose.py)
 #   TESTS=1     the GPU tests (pytest -k "$1")        BENCH=1  the decode benchmark (args after $1)
+#   SERVER=1    the server's API tests with the engine on the GPU (PyTorch backend)
 #   tools/gpu_run.sh [pytest -k expr] [bench args...]
+# Pass NORTHMK_COMMIT=$(git rev-parse --short HEAD)[-dirty] from the host: the device copy has no git.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
-SANITIZE=${SANITIZE:-0} DIAG=${DIAG:-0} TESTS=${TESTS:-1} BENCH=${BENCH:-1}
+SANITIZE=${SANITIZE:-0} DIAG=${DIAG:-0} TESTS=${TESTS:-1} BENCH=${BENCH:-1} SERVER=${SERVER:-0}
 mkdir -p "$OUT"
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -26,7 +28,7 @@ export NORTHMK_LIB=$PWD/build/gpu/libnorthmk.so
 echo "build rc=$build_rc in $(( $(date +%s) - t0 ))s"
 [ $build_rc -eq 0 ] || { tail -40 "$OUT/build.log"; exit 1; }
 
-san_rc=- diag_rc=- tests_rc=- bench_rc=-
+san_rc=- diag_rc=- tests_rc=- bench_rc=- server_rc=-
 if [ "$SANITIZE" = 1 ]; then
   for tool in memcheck racecheck; do
     t0=$(date +%s)
@@ -45,19 +47,26 @@ if [ "$DIAG" = 1 ]; then
 fi
 if [ "$TESTS" = 1 ]; then
   t0=$(date +%s)
-  timeout 240 python3 -m pytest tests/gpu -q ${GPU_TEST_FLAGS:--x} -p no:cacheprovider ${1:+-k "$1"} 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
+  timeout ${TESTS_TIMEOUT:-240} python3 -m pytest tests/gpu -q ${GPU_TEST_FLAGS:--x} -p no:cacheprovider ${1:+-k "$1"} 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
   tests_rc=${PIPESTATUS[0]}
   echo "gpu tests rc=$tests_rc in $(( $(date +%s) - t0 ))s"
+fi
+if [ "$SERVER" = 1 ]; then
+  t0=$(date +%s)
+  NORTHMK_TEST_DEVICE=cuda timeout ${SERVER_TIMEOUT:-170} python3 -m pytest tests/server -q -p no:cacheprovider 2>&1 \
+    | tee "$OUT/server_tests.log" | tail -15
+  server_rc=${PIPESTATUS[0]}
+  echo "server tests (cuda) rc=$server_rc in $(( $(date +%s) - t0 ))s"
 fi
 if [ "$BENCH" = 1 ]; then
   t0=$(date +%s)
   shift || true
-  timeout 150 python3 -m northmk.bench decode --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | tail -12
+  timeout ${BENCH_TIMEOUT:-150} python3 -m northmk.bench decode --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | tail -60
   bench_rc=${PIPESTATUS[0]}
   echo "bench rc=$bench_rc in $(( $(date +%s) - t0 ))s"
 fi
-echo "== summary: build $build_rc, sanitize [$san_rc], diag $diag_rc, tests $tests_rc, bench $bench_rc"
+echo "== summary: build $build_rc, sanitize [$san_rc], diag $diag_rc, tests $tests_rc, server $server_rc, bench $bench_rc"
 [ "$DIAG" = 1 ] && grep -E "^ +(0|1|2|3|4|48|49) |^row|first divergence|routing errors" "$OUT/diag.log" | head -40
 [ "$TESTS" = 1 ] && grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -3
-[ "$BENCH" = 1 ] && grep -E "^batch|copy bandwidth" "$OUT/bench.log"
+[ "$BENCH" = 1 ] && grep -E "^batch|copy bandwidth|span" "$OUT/bench.log"
 exit 0

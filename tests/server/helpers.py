@@ -20,7 +20,8 @@ DEVICE = os.environ.get("NORTHMK_TEST_DEVICE", "cpu")
 
 def serve_env(**extra: str) -> dict[str, str]:
     """Environment for a `python -m northmk.serve` child importing the same northmk as this test."""
-    return {**os.environ, "PYTHONPATH": str(Path(northmk.__file__).resolve().parents[1]), **extra}
+    paths = [str(Path(northmk.__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p), **extra}
 
 
 async def post(client, path: str, body: dict, status: int = 200) -> dict:

@@ -90,8 +90,8 @@ def sdk(tiny_checkpoint, collector):
     otel = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{collector.server_port}",
             "OTEL_SERVICE_NAME": SERVICE, "OTEL_BSP_SCHEDULE_DELAY": "100"}
     env = serve_env(**otel)
-    command = [sys.executable, "-m", "northmk.serve", "--model", str(tiny_checkpoint), "--device", DEVICE,
-               "--port", str(port),
+    command = [sys.executable, "-m", "northmk.serve", "--model", str(tiny_checkpoint),
+               "--device", DEVICE, "--dtype", "float32", "--port", str(port),
                "--served-model-name", MODEL, "--max-model-len", "1024", "--max-batch", "4",
                "--drain-timeout", "1", "--log-level", "warning"]
     process = subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,

@@ -24,8 +24,8 @@ KEY = "test-key"
 def server(tiny_checkpoint):
     port = free_port()
     env = serve_env(NORTHMK_API_KEY=KEY)
-    command = [sys.executable, "-m", "northmk.serve", "--model", str(tiny_checkpoint), "--device", DEVICE,
-               "--port", str(port),
+    command = [sys.executable, "-m", "northmk.serve", "--model", str(tiny_checkpoint),
+               "--device", DEVICE, "--dtype", "float32", "--port", str(port),
                "--served-model-name", MODEL, "--max-model-len", "256", "--max-batch", "4",
                "--drain-timeout", "2", "--log-level", "warning"]
     process = subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -8,7 +8,7 @@ import pytest
 from northmk.tokenizer_files import write_tokenizer_files
 
 from ..model.hf_oracle import hf_greedy, write_hf_checkpoint
-from .helpers import post
+from .helpers import DEVICE, post
 
 STEPS = 8
 
@@ -30,7 +30,7 @@ async def test_concurrent_token_id_completions_match_transformers(aiohttp_client
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (5, 17, 70)]
     expected = [hf_greedy(model, p, STEPS) for p in prompts]
-    engine = AsyncEngine.from_config(EngineConfig(model=directory, max_batch=4, max_model_len=256))
+    engine = AsyncEngine.from_config(EngineConfig(model=directory, device=DEVICE, max_batch=4, max_model_len=256))
     client = await aiohttp_client(create_app(ServerConfig(served_model_names=("hf",)), engine))
     body = {"max_tokens": STEPS, "temperature": 0, "ignore_eos": True, "logprobs": 0, "return_token_ids": True}
     replies = await asyncio.gather(*(post(client, "/v1/completions", {**body, "prompt": p}) for p in prompts))
