@@ -162,7 +162,9 @@ def sample_rows(logits: torch.Tensor, rows: list[RowSampler]) -> list[tuple[int,
     Does not append to the rows' output_ids: the caller owns the sequence records.
     """
     assert logits.shape[0] == len(rows), (logits.shape, len(rows))
-    logits = logits.float()
+    # Sampling runs on the host whatever device ran the model: the rows' seeded generators
+    # and the processors' token masks live there, so a seed draws the same tokens on any device.
+    logits = logits.float().cpu()
     want_logprobs = [r.params.logprobs is not None for r in rows]
     raw = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
     out = []

@@ -96,13 +96,17 @@ def assert_matches(logits, next_tokens, trace, oracle, other):
 
 def assert_same_new_kv(config, kv_mk, kv_ref, layout):
     """The new tokens' k, v went to the same place with the same values, in every layer,
-    and nothing else in the cache changed."""
+    and nothing else in the cache changed. Values agree to AGREE in the first layers; deeper
+    ones are computed from hidden states that drift apart by bf16 noise (see the module
+    docstring), so there a wrong slot, head or rotation (cosine near 0) is what fails."""
     for layer in range(config.num_layers):
         a, b = kv_mk.layer_view(layer).clone(), kv_ref.layer_view(layer).clone()
         table = layout.block_tables[config.layer_group[layer]]
+        need = AGREE if layer < 4 else 0.99
         for r, pos in enumerate(layout.start_positions):
             page, slot = table[r, pos // PAGE_SIZE].item(), pos % PAGE_SIZE
-            assert cosine(a[page, :, :, slot], b[page, :, :, slot]) >= AGREE, f"layer {layer} row {r}: new k, v differ"
+            cos = cosine(a[page, :, :, slot], b[page, :, :, slot])
+            assert cos >= need, f"layer {layer} row {r}: new k, v differ (cosine {cos:.5f} < {need})"
             a[page, :, :, slot] = b[page, :, :, slot] = 0
         assert torch.equal(a, b), f"layer {layer}: the kernel wrote outside the new tokens' slots"
 
