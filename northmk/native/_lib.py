@@ -6,6 +6,7 @@ build/*/libnorthmk.so of a source checkout (newest first, sanitizer builds skipp
 
 from __future__ import annotations
 
+import abc
 import ctypes
 import enum
 import os
@@ -71,6 +72,37 @@ class NativeError(RuntimeError):
 
 class NoSpace(NativeError):
     """NMK_ERR_NO_SPACE: not enough free KV pages; free or preempt a sequence and retry."""
+
+
+class NativeHandle(abc.ABC):
+    """Owns one native object: `close()` (or leaving a `with` block, or garbage collection)
+    destroys it once through `_release`; `handle` refuses use after that."""
+
+    _handle: c_void_p | None = None
+
+    @abc.abstractmethod
+    def _release(self) -> None:
+        """Destroys the native object; called once, by close()."""
+
+    def close(self) -> None:
+        if self._handle:
+            self._release()
+            self._handle = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+    @property
+    def handle(self) -> c_void_p:
+        if not self._handle:
+            raise ValueError(f"{type(self).__name__} is closed")
+        return self._handle
 
 
 # ---- structs (field order and types exactly as in northmk.h) --------------------------------

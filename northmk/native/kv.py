@@ -11,7 +11,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from ..config import PAGE_SIZE, SLIDING, ModelConfig
-from ._lib import KV_MAX_GROUPS, KVPoolParams, KVUsage, PageCopy, PrefixStats, check, load
+from ._lib import KV_MAX_GROUPS, KVPoolParams, KVUsage, NativeHandle, PageCopy, PrefixStats, check, load
 
 
 class Usage(NamedTuple):
@@ -55,7 +55,7 @@ def _tokens(tokens: Sequence[int]) -> tuple[np.ndarray, ctypes._Pointer]:
     return arr, arr.ctypes.data_as(POINTER(c_int32))
 
 
-class KVPool:
+class KVPool(NativeHandle):
     """One page pool per attention group; sequences are named by integer ids (never 0).
 
     `windows[g]` is the sliding window of group g in keys (current token included), 0 or
@@ -99,28 +99,11 @@ class KVPool:
         return cls(num_pages, windows, **kwargs)
 
     # ---- lifetime --------------------------------------------------------------------------
-    def close(self) -> None:
+    def _release(self) -> None:
         """Destroys the pool, closing its decode loops first; sequence ids become invalid."""
-        for loop in list(getattr(self, "loops", ())):
+        for loop in list(self.loops):
             loop.close()
-        if getattr(self, "_handle", None):
-            self._lib.nmk_kv_pool_destroy(self._handle)
-            self._handle = None
-
-    def __enter__(self) -> "KVPool":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        self.close()
-
-    @property
-    def handle(self) -> c_void_p:
-        if not self._handle:
-            raise ValueError("KVPool is closed")
-        return self._handle
+        self._lib.nmk_kv_pool_destroy(self._handle)
 
     @property
     def num_groups(self) -> int:

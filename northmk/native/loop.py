@@ -12,6 +12,7 @@ import numpy as np
 from ._lib import (
     STEP_FN,
     LoopState,
+    NativeHandle,
     RowInfo,
     RowParams,
     Status,
@@ -73,7 +74,7 @@ def _array(ptr, n: int, dtype) -> np.ndarray:
     return np.ctypeslib.as_array(ptr, shape=(n,)).astype(dtype, copy=True) if n else np.empty(0, dtype)
 
 
-class DecodeLoop:
+class DecodeLoop(NativeHandle):
     """Created parked. start()/resume() run it; park() or request_park() stop it at a step boundary."""
 
     def __init__(
@@ -130,26 +131,9 @@ class DecodeLoop:
         return Status.OK
 
     # ---- lifetime --------------------------------------------------------------------------
-    def close(self) -> None:
+    def _release(self) -> None:
         """Stops the thread and unbinds the rows (their sequences stay in the pool)."""
-        if getattr(self, "_handle", None):
-            self._lib.nmk_loop_destroy(self._handle)
-            self._handle = None
-
-    def __enter__(self) -> "DecodeLoop":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        self.close()
-
-    @property
-    def handle(self) -> c_void_p:
-        if not self._handle:
-            raise ValueError("DecodeLoop is closed")
-        return self._handle
+        self._lib.nmk_loop_destroy(self._handle)
 
     def fileno(self) -> int:
         """Readable when tokens were published or the loop parked; drain() consumes it."""

@@ -1,8 +1,10 @@
-"""Shared fixtures: one tiny checkpoint (real on-disk format) per test session."""
+"""Shared fixtures: one tiny checkpoint (real on-disk format) per test session, and
+engines on it that are shut down after each test."""
 
 import pytest
 
 from northmk.checkpoint_writer import config_dict, write_checkpoint
+from northmk.engine import AsyncEngine, EngineConfig
 from northmk.tokenizer import Tokenizer
 
 
@@ -14,3 +16,18 @@ def tiny_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tokenizer(tiny_checkpoint):
     return Tokenizer.from_pretrained(tiny_checkpoint)
+
+
+@pytest.fixture
+async def make_engine(tiny_checkpoint):
+    engines = []
+
+    async def make(**overrides):
+        engine = AsyncEngine.from_config(EngineConfig(model=tiny_checkpoint, **overrides))
+        await engine.start()
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        await engine.shutdown()

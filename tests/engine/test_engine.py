@@ -7,27 +7,12 @@ import time
 import pytest
 
 from northmk.checkpoint import load_checkpoint
-from northmk.engine import AsyncEngine, EngineConfig, EngineOverloaded, FinishReason, GenerationRequest, SamplingParams
+from northmk.engine import EngineOverloaded, FinishReason, GenerationRequest, SamplingParams
 from northmk.engine.types import RequestRejected
 from northmk.generate import generate as reference_generate
 from northmk.model.reference import ReferenceModel
 
 PROMPTS = [[2, 17, 99, 301, 5], [2] + list(range(40, 110)), [2, 900, 901], [2] + list(range(200, 330))]
-
-
-@pytest.fixture
-async def make_engine(tiny_checkpoint):
-    engines = []
-
-    async def make(**overrides):
-        engine = AsyncEngine.from_config(EngineConfig(model=tiny_checkpoint, **overrides))
-        await engine.start()
-        engines.append(engine)
-        return engine
-
-    yield make
-    for engine in engines:
-        await engine.shutdown()
 
 
 @pytest.fixture(scope="module")

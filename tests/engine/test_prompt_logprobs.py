@@ -8,28 +8,13 @@ import torch
 
 from northmk.checkpoint import load_checkpoint
 from northmk.config import PAGE_SIZE
-from northmk.engine import AsyncEngine, EngineConfig, FinishReason, GenerationRequest, SamplingParams
+from northmk.engine import FinishReason, GenerationRequest, SamplingParams
 from northmk.engine.prompt_logprobs import PromptScorer
 from northmk.engine.types import RequestRejected
 from northmk.model.kv import BatchLayout, PagedKVCache
 from northmk.model.reference import ReferenceModel
 
 PROMPT = [2] + list(range(200, 330))  # 131 tokens: three pages, several small prefill chunks
-
-
-@pytest.fixture
-async def make_engine(tiny_checkpoint):
-    engines = []
-
-    async def make(**overrides):
-        engine = AsyncEngine.from_config(EngineConfig(model=tiny_checkpoint, **overrides))
-        await engine.start()
-        engines.append(engine)
-        return engine
-
-    yield make
-    for engine in engines:
-        await engine.shutdown()
 
 
 @pytest.fixture(scope="module")
