@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         from .engine import AsyncEngine
 
         engine = AsyncEngine.from_config(engine_config)  # loads the checkpoint (blocking)
-    except (UsageError, ValueError, NotImplementedError) as error:
+    except (UsageError, ValueError) as error:
         return _fail(error, EXIT_USAGE)
     from .parsing import cohere_parser_factory
     from .tracing import configure_tracing

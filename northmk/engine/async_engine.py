@@ -52,7 +52,10 @@ class AsyncEngine:
     def from_config(cls, config: EngineConfig) -> "AsyncEngine":
         """Load the checkpoint and tokenizer (blocking; call before serving)."""
         if config.backend != "torch":
-            raise NotImplementedError(f"backend {config.backend!r} is not available in this build")
+            raise ValueError(
+                f"backend {config.backend!r} cannot serve yet: the decode megakernel runs and is tested on "
+                "sm_90a (northmk.megakernel) but the engine's decode loop does not drive it yet; use --backend torch"
+            )
         path = Path(config.model) if config.model is not None else default_model_path()
         model_config = ModelConfig.from_file(path)
         limit = min(config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings)

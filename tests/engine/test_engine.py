@@ -7,7 +7,7 @@ import time
 import pytest
 
 from northmk.checkpoint import load_checkpoint
-from northmk.engine import EngineOverloaded, FinishReason, GenerationRequest, SamplingParams
+from northmk.engine import AsyncEngine, EngineConfig, EngineOverloaded, FinishReason, GenerationRequest, SamplingParams
 from northmk.engine.types import RequestRejected
 from northmk.generate import generate as reference_generate
 from northmk.model.reference import ReferenceModel
@@ -190,3 +190,8 @@ async def test_outputs_carry_when_the_request_left_the_queue_and_got_its_first_t
         assert start <= last.scheduled_time <= last.first_token_time
     # One row: the second request waits in the queue until the first has finished.
     assert second.scheduled_time > first.first_token_time
+
+
+def test_the_megakernel_backend_is_refused_clearly_until_the_loop_drives_it(tiny_checkpoint):
+    with pytest.raises(ValueError, match="cannot serve yet"):
+        AsyncEngine.from_config(EngineConfig(model=tiny_checkpoint, backend="megakernel", device="cuda"))
