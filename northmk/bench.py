@@ -1,40 +1,60 @@
-"""Benchmarks. `python -m northmk.bench decode`: the megakernel's decode step at full North
-Mini Code geometry (random weights, KV noise at --context), per batch size: tok/s, ms/step
-and the fraction of speed-of-light (benchmarks/NOTES.md) at the datasheet bandwidth."""
+"""Benchmarks (benchmarks/NOTES.md has the speed-of-light arithmetic and the results log).
+
+    python -m northmk.bench decode [--batch 1 2 4 8] [--context 8192] [--steps 256]
+        [--no-peer | --peer-only] [--record [NOTES.md]] [--plot PNG] [--out benchmarks]
+    python -m northmk.bench record RESULT.json [--notes benchmarks/NOTES.md]
+    python -m northmk.bench plot RESULT.json [MORE.json ...] [--out PNG]
+
+`decode` times the megakernel's decode step at full North Mini Code geometry (random weights,
+KV noise at --context) and then, on the same weights, Hugging Face transformers'
+Cohere2MoeForCausalLM (northmk.bench_peer; skip it with --no-peer, run it alone with
+--peer-only). Per row: tok/s, ms/step and the fraction of speed-of-light at the datasheet
+bandwidth from the bytes the step had to read (distinct experts from the step's routing).
+It writes benchmarks/decode-<date>-<commit>.json; --record appends the run's line to the
+results log, --plot draws tok/s against batch (northmk.bench_plot). `record` and `plot` do
+the same later from result files (device runs come back as files, without git); `plot`
+joins the rows of several files (e.g. a --no-peer and a --peer-only run of one session).
+"""
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
 
 from .checkpoint import synthetic_weights
+from .checkpoint_writer import PRESETS, config_dict
 from .config import PAGE_SIZE, SLIDING, ModelConfig
-from .megakernel import Megakernel, Opcode
+from .megakernel import MAX_BATCH, Megakernel, Opcode
 from .model.kv import PagedKVCache
 
 DATASHEET_BW = {"H200": 4.8e12, "H100": 3.35e12}  # bytes/s
+MEGAKERNEL, PEER = "megakernel", "hf-transformers"
+RESULTS_LOG = "## Results log"
+
+
+def geometry(name: str) -> ModelConfig:
+    """A checkpoint_writer preset: `north` is the full North Mini Code geometry."""
+    return ModelConfig.from_dict(config_dict(name))
 
 
 def north_geometry() -> ModelConfig:
-    return ModelConfig.from_dict({
-        "model_type": "cohere2_moe", "hidden_size": 2048, "num_hidden_layers": 49,
-        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 262144,
-        "num_experts": 128, "num_experts_per_tok": 8, "intermediate_size": 768,
-        "prefix_dense_intermediate_size": 3072, "first_k_dense_replace": 1, "sliding_window": 4096,
-        "rope_theta": 50000.0, "rms_norm_eps": 1e-6, "expert_selection_fn": "sigmoid", "norm_topk_prob": False,
-        "logit_scale": 1.0, "tie_word_embeddings": True, "max_position_embeddings": 16384,
-    })
+    return geometry("north")
 
 
-def step_bytes(c: ModelConfig, batch: int, context: int, distinct_experts: float) -> float:
+# ---- speed of light -------------------------------------------------------------------
+
+def step_bytes(c: ModelConfig, batch: int, context: float, distinct_experts: float) -> float:
     """Bytes a decode step must read: weights touched once + every row's visible KV (bf16)."""
     h, q, kv = c.hidden_size, c.q_size, c.kv_size
     params = c.vocab_size * h + c.num_layers * (h * (q + 2 * kv) + q * h + h) + h
@@ -49,6 +69,24 @@ def step_bytes(c: ModelConfig, batch: int, context: int, distinct_experts: float
 
 def uniform_distinct(c: ModelConfig, batch: int) -> float:
     return c.num_experts * (1 - (1 - c.top_k / c.num_experts) ** batch)
+
+
+def datasheet_bandwidth(device: str) -> float | None:
+    return next((v for k, v in DATASHEET_BW.items() if k in device), None)
+
+
+def sol_fraction(c: ModelConfig, row: dict, bandwidth: float | None) -> float | None:
+    """SoL time / measured time; the row's keys are its context unless it decoded past it."""
+    if bandwidth is None:
+        return None
+    keys = row.get("mean_keys", row["context"])
+    return step_bytes(c, row["batch"], keys, row["distinct_experts"]) / bandwidth * 1e3 / row["ms_per_step"]
+
+
+def sol_curve(c: ModelConfig, context: int, bandwidth: float, max_batch: int) -> list[dict]:
+    """Speed-of-light tok/s per batch size under uniform routing."""
+    return [{"batch": b, "tok_s": b * bandwidth / step_bytes(c, b, context, uniform_distinct(c, b))}
+            for b in range(1, max_batch + 1)]
 
 
 def copy_bandwidth() -> float:
@@ -66,7 +104,9 @@ def copy_bandwidth() -> float:
     return 2 * a.numel() / sorted(times[2:])[len(times[2:]) // 2]
 
 
-def bench_megakernel(config, weights, batch: int, context: int, steps: int) -> dict:
+# ---- the megakernel ---------------------------------------------------------------------
+
+def bench_megakernel(config, weights, batch: int, context: int, steps: int, warmup: int = 8) -> dict:
     per_row = -(-context // PAGE_SIZE)
     kv = PagedKVCache(config, [batch * per_row] * len(config.attention_groups), torch.bfloat16, "cuda")
     for pages in kv.pages:
@@ -76,7 +116,7 @@ def bench_megakernel(config, weights, batch: int, context: int, steps: int) -> d
     mk = Megakernel(config, weights, kv)
     tokens = torch.randint(0, config.vocab_size, (batch,), dtype=torch.int32, device="cuda")
     positions = [context - 1] * batch
-    for _ in range(8):
+    for _ in range(warmup):
         _, tokens = mk.step(tokens, positions, tables)
     torch.cuda.synchronize()
     start = time.perf_counter()
@@ -89,7 +129,7 @@ def bench_megakernel(config, weights, batch: int, context: int, steps: int) -> d
     mk.step(tokens, positions, tables)
     distinct = routed_distinct(config, mk.trace(batch).experts)
     mk.close()
-    return {"backend": "megakernel", "batch": batch, "context": context, "ms_per_step": seconds * 1e3,
+    return {"backend": MEGAKERNEL, "batch": batch, "context": context, "ms_per_step": seconds * 1e3,
             "tok_s": batch / seconds, "distinct_experts": distinct, "profile": timing}
 
 
@@ -123,47 +163,246 @@ def routed_distinct(config: ModelConfig, experts: torch.Tensor) -> float:
     return sum(experts[l].unique().numel() for l in sparse) / max(1, len(sparse))
 
 
-def decode(args) -> None:
-    device = torch.cuda.get_device_name()
-    bw = next((v for k, v in DATASHEET_BW.items() if k in device), None)
-    config = north_geometry()
-    copy_bw = copy_bandwidth()
-    weights = synthetic_weights(config, torch.bfloat16, "cuda", seed=0)
-    rows = []
+# ---- one run ----------------------------------------------------------------------------
+
+def megakernel_rows(args, config, weights, keep) -> None:
     for batch in args.batch:
-        row = bench_megakernel(config, weights, batch, args.context, args.steps)
-        sol_s = step_bytes(config, batch, args.context, row["distinct_experts"]) / bw if bw else float("nan")
-        row["sol_fraction"] = sol_s * 1e3 / row["ms_per_step"]
-        row["uniform_distinct_experts"] = uniform_distinct(config, batch)
-        rows.append(row)
-        print(f"batch {batch}: {row['tok_s']:.1f} tok/s, {row['ms_per_step']:.3f} ms/step, "
-              f"{100 * row['sol_fraction']:.1f}% of SoL", flush=True)
+        row = bench_megakernel(config, weights, batch, args.context, args.steps, args.warmup)
+        keep(row)
         print_profile(row["profile"])
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain"], capture_output=True, text=True).stdout.strip()
-    commit = f"{commit}-dirty" if commit and dirty else commit
-    commit = commit or os.environ.get("NORTHMK_COMMIT", "")  # device copies carry no git metadata
-    result = {"device": device, "commit": commit or "uncommitted", "date": datetime.date.today().isoformat(),
-              "command": " ".join(sys.argv), "copy_bandwidth_bytes_s": copy_bw,
-              "sol_note": "bytes at the datasheet bandwidth, distinct experts from a traced step's routing",
-              "rows": rows}
-    out = Path(args.out) / f"decode-{result['date']}.json"
+        torch.cuda.empty_cache()  # the next batch's KV, then the peer, need the room
+
+
+def peer_rows(args, config, weights, keep) -> None:
+    from .bench_peer import bench_peer, build_peer  # imports transformers
+
+    model = build_peer(config, weights)  # its parameters are views of `weights`
+    for batch in args.batch:
+        row = bench_peer(model, batch, args.context, args.steps, args.warmup)
+        del row["tokens"]
+        keep(row)
+
+
+def report(row: dict, config: ModelConfig, bandwidth: float | None) -> None:
+    row["sol_fraction"] = sol_fraction(config, row, bandwidth)
+    row["uniform_distinct_experts"] = uniform_distinct(config, row["batch"])
+    label = "" if row["backend"] == MEGAKERNEL else f" ({row['backend']})"
+    sol = "" if row["sol_fraction"] is None else f", {100 * row['sol_fraction']:.1f}% of SoL"
+    print(f"batch {row['batch']}{label}: {row['tok_s']:.1f} tok/s, {row['ms_per_step']:.3f} ms/step{sol}", flush=True)
+
+
+def git(*cmd: str) -> str:
+    try:
+        return subprocess.run(["git", *cmd], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return ""
+
+
+def git_commit() -> str:
+    commit = git("rev-parse", "--short", "HEAD")
+    commit = f"{commit}-dirty" if commit and git("status", "--porcelain") else commit
+    return commit or os.environ.get("NORTHMK_COMMIT", "") or "uncommitted"  # device copies carry no git metadata
+
+
+def decode(args) -> dict:
+    """Run the benchmark; the result file is rewritten after every row, so a run cut short
+    (an error, a timeout) keeps what it measured."""
+    config = geometry(args.geometry)
+    cuda = args.device == "cuda"
+    device = torch.cuda.get_device_name() if cuda else "cpu"
+    bandwidth = datasheet_bandwidth(device)
+    copy_bw = copy_bandwidth() if cuda else None
+    result = {"device": device, "commit": git_commit(), "date": datetime.date.today().isoformat(),
+              "command": args.command, "geometry": args.geometry, "steps": args.steps, "warmup": args.warmup,
+              "datasheet_bandwidth_bytes_s": bandwidth, "copy_bandwidth_bytes_s": copy_bw,
+              "sol_note": "bytes at the datasheet bandwidth, distinct experts from one more step's routing",
+              "rows": []}
+    if bandwidth:
+        result["sol_curve"] = sol_curve(config, args.context, bandwidth, max(max(args.batch), MAX_BATCH))
+    out = unused_path(Path(args.out) / f"decode-{result['date']}-{result['commit']}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def keep(row: dict) -> None:
+        report(row, config, bandwidth)
+        result["rows"].append(row)
+        out.write_text(json.dumps(result, indent=2))
+
+    weights = synthetic_weights(config, torch.bfloat16, args.device, seed=0)
+    try:
+        if not args.peer_only:
+            megakernel_rows(args, config, weights, keep)
+        if not args.no_peer:
+            peer_rows(args, config, weights, keep)
+    except Exception as exc:  # device time is scarce: keep the rows measured so far
+        traceback.print_exc()
+        result["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
     out.write_text(json.dumps(result, indent=2))
-    print(f"copy bandwidth {copy_bw / 1e12:.2f} TB/s; wrote {out}")
+    copy = f"copy bandwidth {copy_bw / 1e12:.2f} TB/s; " if copy_bw else ""
+    print(f"{copy}wrote {out}")
+    if args.record:
+        record(result, out, Path(args.record))
+    if args.plot and result["rows"]:
+        plot(result, Path(args.plot))
+    return result
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m northmk.bench")
+def unused_path(path: Path) -> Path:
+    n = 2
+    candidate = path
+    while candidate.exists():
+        candidate = path.with_name(f"{path.stem}-{n}{path.suffix}")
+        n += 1
+    return candidate
+
+
+# ---- the results log and the plot -------------------------------------------------------
+
+def notes_line(result: dict, json_path: Path) -> str:
+    """One results-log line: date, commit, command, device, every row, peer ratios, the file."""
+    parts = []
+    for backend in dict.fromkeys(r["backend"] for r in result["rows"]):
+        cells = [f"batch {r['batch']} {r['tok_s']:.1f} tok/s ({r['ms_per_step']:.3f} ms/step"
+                 + ("" if r.get("sol_fraction") is None else f", {100 * r['sol_fraction']:.1f}% of SoL") + ")"
+                 for r in result["rows"] if r["backend"] == backend]
+        parts.append(f"{backend} " + ", ".join(cells))
+    tok_s = {(r["backend"], r["batch"]): r["tok_s"] for r in result["rows"]}
+    ratios = [f"batch {b} {tok_s[MEGAKERNEL, b] / tok_s[PEER, b]:.2f}x"
+              for (backend, b) in tok_s if backend == MEGAKERNEL and (PEER, b) in tok_s]
+    if ratios:
+        parts.append("megakernel / hf-transformers " + ", ".join(ratios))
+    if result.get("error"):
+        parts.append(f"FAILED: {result['error']}")
+    if result.get("copy_bandwidth_bytes_s"):
+        parts.append(f"copy bandwidth {result['copy_bandwidth_bytes_s'] / 1e12:.2f} TB/s")
+    contexts = ", ".join(str(c) for c in dict.fromkeys(r["context"] for r in result["rows"]))
+    return (f"- {result['date']}, {result['commit']}, `{result['command']}`, {result['device']}"
+            + (f", context {contexts}" if contexts else "") + ": " + "; ".join(parts) + f". `{json_path}`.")
+
+
+def record(result: dict, json_path: Path, notes: Path) -> None:
+    """Append the run's line at the end of the notes' results-log section."""
+    text = notes.read_text()
+    start = text.find(RESULTS_LOG)
+    if start < 0:
+        raise ValueError(f"{notes} has no '{RESULTS_LOG}' section")
+    end = text.find("\n## ", start + len(RESULTS_LOG))
+    end = len(text) if end < 0 else end + 1
+    body = text[:end].rstrip("\n") + "\n" + notes_line(result, json_path) + "\n"
+    notes.write_text(body + ("\n" + text[end:] if end < len(text) else ""))
+    print(f"recorded the run in {notes}")
+
+
+def with_sol_curve(result: dict) -> dict:
+    """The result with its speed-of-light curve (files written before the curve lack it)."""
+    bandwidth = datasheet_bandwidth(result.get("device", ""))
+    if "sol_curve" in result or bandwidth is None:
+        return result
+    context = max(r["context"] for r in result["rows"])
+    max_batch = max(MAX_BATCH, *(r["batch"] for r in result["rows"]))
+    curve = sol_curve(geometry(result.get("geometry", "north")), context, bandwidth, max_batch)
+    return {**result, "sol_curve": curve, "datasheet_bandwidth_bytes_s": bandwidth}
+
+
+def plot(result: dict, path: Path) -> None:
+    from .bench_plot import plot_decode
+
+    plot_decode(with_sol_curve(result), path)
+    print(f"plotted {path}")
+
+
+def load_result(path: Path) -> dict:
+    try:
+        result = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: not a readable result file ({exc})") from None
+    if not isinstance(result, dict) or not isinstance(result.get("rows"), list) or not result["rows"]:
+        raise ValueError(f"{path}: a decode result needs a non-empty 'rows' list")
+    return result
+
+
+# ---- command line -----------------------------------------------------------------------
+
+class OneLineParser(argparse.ArgumentParser):
+    """Bad arguments: one line on stderr, exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = OneLineParser(prog="python -m northmk.bench")
     sub = parser.add_subparsers(dest="what", required=True)
-    d = sub.add_parser("decode", help="megakernel decode step at full North geometry")
+    d = sub.add_parser("decode", help="decode step: megakernel and the transformers peer")
     d.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4, 8])
-    d.add_argument("--context", type=int, default=8192)
-    d.add_argument("--steps", type=int, default=256)
-    d.add_argument("--out", default="benchmarks")
+    d.add_argument("--context", type=int, default=8192, help="tokens of KV each row attends to")
+    d.add_argument("--steps", type=int, default=256, help="timed steps per row")
+    d.add_argument("--warmup", type=int, default=8, help="untimed steps before them (the peer's compile)")
+    peer = d.add_mutually_exclusive_group()
+    peer.add_argument("--no-peer", action="store_true", help="skip the transformers peer")
+    peer.add_argument("--peer-only", action="store_true", help="only the transformers peer (any device)")
+    d.add_argument("--geometry", choices=sorted(PRESETS), default="north")
+    d.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    d.add_argument("--out", default="benchmarks", help="folder of the result file")
+    d.add_argument("--record", nargs="?", const="benchmarks/NOTES.md", help="append the run to this results log")
+    d.add_argument("--plot", help="write the tok/s plot here (PNG)")
+    r = sub.add_parser("record", help="append a result file's line to the results log")
+    r.add_argument("result")
+    r.add_argument("--notes", default="benchmarks/NOTES.md")
+    p = sub.add_parser("plot", help="plot result files (their rows on one plot)")
+    p.add_argument("result", nargs="+")
+    p.add_argument("--out", help="PNG path (default: the first result's path with .png)")
     args = parser.parse_args(argv)
+    problem = check_decode(args) if args.what == "decode" else None
+    if problem:
+        sub.choices[args.what].error(problem)
+    args.command = "python -m northmk.bench " + shlex.join(argv)
+    return args
+
+
+def check_decode(args) -> str | None:
+    """Why these decode arguments cannot run (before any device work), or None."""
+    if any(b < 1 for b in args.batch):
+        return f"--batch sizes must be >= 1, got {args.batch}"
+    if not args.peer_only and max(args.batch) > MAX_BATCH:
+        return f"the megakernel runs batch 1..{MAX_BATCH}, got {args.batch} (use --peer-only for larger)"
+    if args.context < 1 or args.steps < 1 or args.warmup < 0:
+        return f"need --context >= 1, --steps >= 1, --warmup >= 0; got {args.context}, {args.steps}, {args.warmup}"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        return "no CUDA device here; use --device cpu --peer-only (with a small --geometry)"
+    if args.device == "cpu" and not args.peer_only:
+        return "the megakernel needs a CUDA GPU; on --device cpu pass --peer-only"
+    if not args.no_peer and importlib.util.find_spec("transformers") is None:
+        return "the transformers peer needs transformers (pip install 'northmk[bench]'); or pass --no-peer"
+    if args.record and not Path(args.record).is_file():
+        return f"--record: no results log at {args.record}"
+    if args.record and RESULTS_LOG not in Path(args.record).read_text():
+        return f"--record: {args.record} has no '{RESULTS_LOG}' section"
+    if args.plot:
+        from .bench_plot import plotting_available
+
+        if not plotting_available():
+            return "--plot needs matplotlib (pip install 'northmk[bench]'), or plot the result file later"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
     if args.what == "decode":
-        decode(args)
+        return 1 if decode(args).get("error") else 0
+    try:
+        if args.what == "record":
+            record(load_result(Path(args.result)), Path(args.result), Path(args.notes))
+        else:
+            results = [load_result(Path(r)) for r in args.result]
+            rows = [{**row, "commit": r.get("commit", "?")} for r in results for row in r["rows"]]
+            result = {**results[0], "rows": rows}
+            plot(result, Path(args.out) if args.out else Path(args.result[0]).with_suffix(".png"))
+    except (ValueError, OSError, ImportError) as exc:
+        print(f"python -m northmk.bench {args.what}: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

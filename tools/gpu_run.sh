@@ -61,7 +61,7 @@ fi
 if [ "$BENCH" = 1 ]; then
   t0=$(date +%s)
   shift || true
-  timeout ${BENCH_TIMEOUT:-150} python3 -m northmk.bench decode --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | tail -60
+  timeout ${BENCH_TIMEOUT:-540} python3 -m northmk.bench decode --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | tail -60
   bench_rc=${PIPESTATUS[0]}
   echo "bench rc=$bench_rc in $(( $(date +%s) - t0 ))s"
 fi
