@@ -7,6 +7,7 @@
 #   SERVER=1    the server's API tests with the engine on the GPU (PyTorch backend)
 #   tools/gpu_run.sh [pytest -k expr] [bench args...]
 # Pass NORTHMK_COMMIT=$(git rev-parse --short HEAD)[-dirty] from the host: the device copy has no git.
+# The wheels the image lacks come from tools/fetch_wheels.sh (carry .whl).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 SANITIZE=${SANITIZE:-0} DIAG=${DIAG:-0} TESTS=${TESTS:-1} BENCH=${BENCH:-1} SERVER=${SERVER:-0}
