@@ -29,7 +29,7 @@ log = telemetry.get_logger("northmk.serve")
 
 
 class UsageError(Exception):
-    pass
+    """Bad command-line input: reported in one line, exit status 2."""
 
 
 class _Parser(argparse.ArgumentParser):

@@ -49,7 +49,7 @@ class APIError(Exception):
 
 
 class InvalidRequest(APIError):
-    pass
+    """400 invalid_request_error (APIError's defaults)."""
 
 
 class Unauthorized(APIError):
