@@ -33,7 +33,7 @@ extern "C" {
 
 /* Bumped on every incompatible change of a declaration below; nmk_abi_version() returns the
  * library's value and bindings refuse a library whose value differs from theirs. */
-#define NMK_ABI_VERSION 1
+#define NMK_ABI_VERSION 2
 
 /* ==== status, errors, versions ==== */
 
@@ -330,6 +330,35 @@ NMK_API nmk_status nmk_loop_row(nmk_loop *loop, uint32_t slot, nmk_loop_row_info
 /* Rows in the batch (active or finished). Any state. */
 NMK_API nmk_status nmk_loop_num_rows(nmk_loop *loop, uint32_t *out);
 
+/* ==== GPU sampling: owned by cuda/sample ==== */
+
+/* One token per row drawn on the GPU by one kernel launch (one CTA per row), without a sort:
+ * s_i = logit_i * (1 / temperature); top_k, top_p and min_p each keep the tokens whose s is at or
+ * above a threshold (ties at a threshold are all kept), then the token is the argmax over
+ * kept i of s_i + gumbel_i (lowest id on ties), where gumbel_i is a counter-based hash of
+ * (seed, counter, i): the same (seed, counter) draws the same token on any GPU, and
+ * northmk/engine/gpu_sampling.py (reference_draw) computes it bit for bit on the CPU.
+ * NaN logits count as -inf. Without CUDA: NMK_ERR_UNSUPPORTED after argument checks. */
+enum { NMK_SAMPLE_MAX_ROWS = 64, NMK_SAMPLE_MAX_VOCAB = 1 << 24 };
+
+typedef struct nmk_sample_row {
+    float temperature;   /* <= 0: greedy (argmax of the raw logits, lowest id on ties); else >= FLT_MIN */
+    int32_t top_k;       /* <= 0: off */
+    float top_p;         /* (0, 1]; 1: off */
+    float min_p;         /* [0, 1]; 0: off */
+    uint64_t seed;       /* per sequence */
+    uint64_t counter;    /* index of this draw in the sequence (tokens generated before it) */
+} nmk_sample_row;
+
+/* Draws one token per row from device logits [rows, vocab] (fp32, row-major) on `stream`
+ * (a cudaStream_t, NULL = default); writes device tokens[rows] (int32) and, when logprobs is
+ * not NULL, device logprobs[rows] (fp32): the drawn token's log-softmax of the RAW logits.
+ * rows in [1, NMK_SAMPLE_MAX_ROWS], vocab in [1, NMK_SAMPLE_MAX_VOCAB]. params is host
+ * memory, read during the call (passed to the kernel by value). No host synchronization;
+ * may be captured in a CUDA graph (the params are then frozen into it). */
+NMK_API nmk_status nmk_sample(const float *logits, uint32_t rows, uint32_t vocab,
+                              const nmk_sample_row *params, int32_t *tokens, float *logprobs, void *stream);
+
 /* ==== megakernel and task schedule: owned by cuda/mk and cuda/schedule ==== */
 
 /* A decode step is one persistent kernel: one CTA per SM runs its own list of tasks; a
@@ -339,18 +368,30 @@ NMK_API nmk_status nmk_loop_num_rows(nmk_loop *loop, uint32_t *out);
 
 enum { NMK_MK_MAX_BATCH = 8, NMK_MK_MAX_SPLITS = 64 };
 
-/* Append-only; 0 is never valid so zeroed memory fails loudly. */
+/* Append-only; 0 is never valid so zeroed memory fails loudly. Semantics of v0.3: no task
+ * keeps a normed copy of x; every task that reads the normed input h computes it from x and
+ * the partial sums of squares ss of the NORM tiles: rms_b = rsqrt(sum_t ss[b, t] / hidden +
+ * eps), h[b, i] = bf16(round_bf16(x[b, i] * rms_b) * norm_weight[i]). */
 typedef enum nmk_opcode {
-    NMK_OP_NORM = 1,       /* layer: x += o + mlp (embedding at layer 0); h = rmsnorm(x) */
+    NMK_OP_NORM = 1,       /* tile x: hidden cols [x*norm_cols, ...) of every row: x += o + mlp
+                            * (embedding at layer 0); ss[b, x] = sum of x^2 over the slice */
     NMK_OP_QKV = 2,        /* rows [x*qkv_rows, ...) of qkv @ h; RoPE; k, v into the paged cache */
-    NMK_OP_ROUTER = 3,     /* router logits, top-k sigmoid, distinct-expert slots */
-    NMK_OP_ATTN = 4,       /* row x, kv head y, split z & 0xff of z >> 8: partial softmax(qk)v */
-    NMK_OP_COMBINE = 5,    /* row x, kv head y: merge its z splits into attn_out */
+    NMK_OP_ROUTER = 3,     /* tile x: router_logits[b, e] = bf16(h_b . router[e]), e in
+                            * [x*router_rows, ...) */
+    NMK_OP_ATTN = 4,       /* row x, kv head y, split z & 0xff of z >> 8: partial softmax(qk)v;
+                            * the pair's last split to finish merges all of them into attn_out */
+    NMK_OP_COMBINE = 5,    /* retired in v0.3, never emitted (ATTN merges); the checker rejects it */
     NMK_OP_OPROJ = 6,      /* rows [x*oproj_rows, ...) of o @ attn_out */
-    NMK_OP_GATE_UP = 7,    /* mlp slot y, intermediate cols [x*cols, ...): silu(gate) * up */
+    NMK_OP_GATE_UP = 7,    /* mlp slot y, intermediate cols [x*cols, ...): silu(gate) * up. On a
+                            * sparse layer each task routes from router_logits itself: row b's
+                            * top_k logits (ties: lower id), ascending id, weight
+                            * bf16(sigmoid(logit)); slot y = the y-th smallest distinct pick
+                            * (-1 past them). Task x = 0 writes slot_expert[y], slot_k[y, :];
+                            * task (0, 0) also topk_weight and the debug experts. */
     NMK_OP_DOWN = 8,       /* mlp slot y, hidden rows [x*rows, ...) of down @ act */
-    NMK_OP_FINAL_NORM = 9, /* x += o + mlp of the last layer; h = rmsnorm(x) */
-    NMK_OP_LM_HEAD = 10,   /* vocab rows [x*lm_rows, ...): scaled logits, per-tile argmax */
+    NMK_OP_FINAL_NORM = 9, /* tile x: NORM over the last layer's outputs */
+    NMK_OP_LM_HEAD = 10,   /* vocab rows [x*lm_rows, ...) of embed @ h (final_norm): scaled
+                            * logits, per-tile argmax */
     NMK_OP_ARGMAX = 11,    /* row x: greedy token from the per-tile argmaxes */
     NMK_OP_END = 12        /* one past the last opcode */
 } nmk_opcode;
@@ -364,17 +405,22 @@ typedef struct nmk_task {
     int32_t signal;        /* counter to bump when done, -1: none */
 } nmk_task;
 
-/* Tile geometry of one schedule, chosen by the builder and obeyed by the kernel. */
+/* Tile geometry of one schedule, chosen by the builder and obeyed by the kernel. Row and
+ * column tiles are multiples of 16 (tensor-core tiles); the last tile of a stage may be short. */
 typedef struct nmk_plan {
     int32_t batch;
     int32_t expert_slots;     /* min(batch * top_k, experts): one per distinct routed expert */
-    int32_t qkv_rows;         /* even, so RoPE pairs stay in one tile */
-    int32_t oproj_rows;
-    int32_t moe_cols;         /* expert intermediate columns per GATE_UP task */
-    int32_t moe_down_rows;
-    int32_t dense_cols;
-    int32_t dense_down_rows;
-    int32_t lm_rows;
+    int32_t norm_cols;        /* hidden columns per NORM / FINAL_NORM task: 128 */
+    int32_t norm_tiles;       /* hidden / norm_cols: the partial sums of squares per row */
+    int32_t qkv_rows;         /* <= 128 */
+    int32_t router_rows;      /* experts per ROUTER task: 16 */
+    int32_t router_tiles;     /* ceil(experts / router_rows) */
+    int32_t oproj_rows;       /* <= 128 */
+    int32_t moe_cols;         /* expert intermediate columns per GATE_UP task, <= 128 */
+    int32_t moe_down_rows;    /* <= 256 */
+    int32_t dense_cols;       /* <= 128 */
+    int32_t dense_down_rows;  /* <= 128 */
+    int32_t lm_rows;          /* <= 512 */
     int32_t lm_tiles;
     int32_t max_splits;       /* most attention splits of any row */
     int32_t num_counters;
@@ -408,7 +454,8 @@ NMK_API nmk_status nmk_schedule_plan(const nmk_schedule *schedule, nmk_plan *out
 NMK_API nmk_status nmk_schedule_tasks(const nmk_schedule *schedule, const nmk_task **tasks,
                                       const uint32_t **sm_offsets, uint32_t *num_sms);
 
-/* NMK_OK when the lists are safe to run: known opcodes, every task of the step exactly
+/* NMK_OK when the lists are safe to run: a plan whose tiles fit the geometry and the
+ * kernel's limits, known opcodes (not the retired COMBINE), every task of the step exactly
  * once, each wait for all signallers of its counter and all of the stages it reads, no two
  * unordered stages sharing a buffer, no deadlock. Else NMK_ERR_INVALID_ARGUMENT with the
  * first violation as the last error. */

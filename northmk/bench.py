@@ -146,13 +146,27 @@ def profile(mk: Megakernel, tokens: torch.Tensor, positions: list[int], tables: 
             ops[op.name] = {"tasks": len(mine), "run_us": (mine[:, 2] - mine[:, 1]).sum().item() / 1e3,
                             "wait_us": (mine[:, 1] - mine[:, 0]).sum().item() / 1e3,
                             "max_run_us": (mine[:, 2] - mine[:, 1]).max().item() / 1e3}
-    norms = t[(t[:, 3] & 0xFF) == Opcode.NORM][:, 1].sort().values
-    layer_us = (norms[-1] - norms[0]).item() / 1e3 / max(1, len(norms) - 1)
-    return {"span_us": t[:, 2].max().item() / 1e3, "layer_us": layer_us, "ops": ops}
+    norms = t[(t[:, 3] & 0xFF) == Opcode.NORM]
+    layer_starts = [norms[norms[:, 3] >> 8 == layer][:, 1].min().item() for layer in (norms[:, 3] >> 8).unique()]
+    layer_us = (max(layer_starts) - min(layer_starts)) / 1e3 / max(1, len(layer_starts) - 1)
+    # The layer's critical path: per opcode, the mean over layers of its last task's end after
+    # the layer's first NORM task began.
+    chain: dict[str, list[float]] = {}
+    layer_of = t[:, 3] >> 8
+    for layer in (norms[:, 3] >> 8).unique():
+        start = norms[norms[:, 3] >> 8 == layer][:, 1].min()
+        for op in Opcode:
+            mine = t[((t[:, 3] & 0xFF) == op) & (layer_of == layer)]
+            if len(mine) and op not in (Opcode.FINAL_NORM, Opcode.LM_HEAD, Opcode.ARGMAX):
+                chain.setdefault(op.name, []).append((mine[:, 2].max() - start).item() / 1e3)
+    chain_us = {name: sum(v) / len(v) for name, v in chain.items()}
+    return {"span_us": t[:, 2].max().item() / 1e3, "layer_us": layer_us, "ops": ops, "chain_us": chain_us}
 
 
 def print_profile(prof: dict) -> None:
     print(f"  timed step span {prof['span_us']:.0f} us, {prof['layer_us']:.1f} us per layer; per opcode: tasks, summed run / wait us, longest run us")
+    chain = ", ".join(f"{name} {us:.1f}" for name, us in sorted(prof.get("chain_us", {}).items(), key=lambda kv: kv[1]))
+    print(f"  a layer's opcodes done after its first NORM began (us): {chain}")
     for name, o in sorted(prof["ops"].items(), key=lambda kv: -kv[1]["run_us"]):
         print(f"  {name:>10} {o['tasks']:6d} {o['run_us']:12.0f} {o['wait_us']:12.0f} {o['max_run_us']:9.1f}")
 

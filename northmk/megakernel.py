@@ -23,18 +23,20 @@ from .native._lib import KV_MAX_GROUPS, check, load
 
 MAX_BATCH = 8  # NMK_MK_MAX_BATCH
 MAX_SPLITS = 64  # NMK_MK_MAX_SPLITS
+MAX_GEMV_INPUT = 4096  # widest [8, K] bf16 input the kernel stages (cuda/schedule/schedule.hpp kMaxGemvInput)
 
 
 class Opcode(enum.IntEnum):
-    """nmk_opcode."""
+    """nmk_opcode, v0.3 semantics (include/northmk.h): NORM / FINAL_NORM tiles write slices
+    of x and their sums of squares; every reader of the normed input normalizes x itself."""
 
-    NORM = 1
+    NORM = 1  # tile x: hidden cols [x * norm_cols, ...): x += o + mlp, ss[b, x]
     QKV = 2
-    ROUTER = 3
-    ATTN = 4
-    COMBINE = 5
+    ROUTER = 3  # tile x: router_logits of experts [x * router_rows, ...)
+    ATTN = 4  # row x, kv head y, split z & 0xff of z >> 8; the pair's last split merges
+    COMBINE = 5  # retired in v0.3, never emitted: the checker rejects it
     OPROJ = 6
-    GATE_UP = 7
+    GATE_UP = 7  # on sparse layers each task routes itself from router_logits
     DOWN = 8
     FINAL_NORM = 9
     LM_HEAD = 10
@@ -64,8 +66,9 @@ assert TASK_DTYPE.itemsize == ctypes.sizeof(Task)
 
 class Plan(ctypes.Structure):
     _fields_ = [(name, c_int32) for name in (
-        "batch", "expert_slots", "qkv_rows", "oproj_rows", "moe_cols", "moe_down_rows", "dense_cols",
-        "dense_down_rows", "lm_rows", "lm_tiles", "max_splits", "num_counters")]
+        "batch", "expert_slots", "norm_cols", "norm_tiles", "qkv_rows", "router_rows", "router_tiles", "oproj_rows",
+        "moe_cols", "moe_down_rows", "dense_cols", "dense_down_rows", "lm_rows", "lm_tiles", "max_splits",
+        "num_counters")]
 
 
 class Geometry(ctypes.Structure):
@@ -143,6 +146,17 @@ def unsupported_reason(config: ModelConfig) -> str | None:
         return "the megakernel has no shared experts"
     if config.head_dim != 128 or config.gqa_group > 8 or config.top_k > 8:
         return "the megakernel needs head_dim 128, at most 8 query heads per kv head and top_k <= 8"
+    if config.num_experts > 128:
+        return "the megakernel routes among at most 128 experts"
+    if config.hidden_size % 256:
+        return "the megakernel needs hidden_size a multiple of 256"
+    if config.moe_intermediate_size % 32 or config.dense_intermediate_size % 32:
+        return "the megakernel needs intermediate sizes (routed and dense) that are multiples of 32"
+    if config.q_size > MAX_GEMV_INPUT:
+        return f"the megakernel needs num_heads * head_dim <= {MAX_GEMV_INPUT}, got {config.q_size}"
+    widest = max(config.hidden_size, config.moe_intermediate_size, config.dense_intermediate_size)
+    if widest > MAX_GEMV_INPUT:
+        return f"the megakernel needs hidden_size and intermediate sizes <= {MAX_GEMV_INPUT}, got {widest}"
     return None
 
 

@@ -2,11 +2,15 @@
 
 It runs a host-built Schedule task by task, in an order the counters allow (each SM's list
 in order, a task only once its counter reached its target), on the same buffers and with
-the same bf16 roundings as the kernel's tasks (cuda/mk/op_*.cuh). Set beside the reference
-(megakernel_oracle) it checks what the schedule builder decides: tile sizes, attention
-splits, expert slots, the wiring of counters, the buffers each task reads and writes.
+the same bf16 roundings as the kernel's tasks (cuda/mk/op_*.cuh), v0.3 semantics
+(include/northmk.h): NORM tiles write slices of x and their sums of squares, every reader
+of the normed input normalizes x itself, every sparse GATE_UP task routes from the router
+logits, and an attention pair's last split to run merges its splits. Set beside the
+reference (megakernel_oracle) it checks what the schedule builder decides: tile sizes,
+attention splits, expert slots, the wiring of counters, the buffers each task reads and writes.
 
     run_schedule(config, weights, schedule, tokens, positions, tables, kv) -> (logits, MegakernelTrace)
+    route(router_logits, top_k), expert_slots(experts, num_slots)   the routing rule
 """
 
 from __future__ import annotations
@@ -25,6 +29,23 @@ def rb(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.bfloat16).float()
 
 
+def route(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routing of router logits fp32 [B, E]: each row's top_k experts by logit (ties: the
+    lower id first) in ascending id, int64 [B, K], and their weights bf16(sigmoid(logit)) [B, K]."""
+    picked = torch.sort(-router_logits, dim=-1, stable=True).indices[:, :top_k]
+    experts = picked.sort(dim=-1).values
+    return experts, rb(torch.sigmoid(router_logits.gather(1, experts)))
+
+
+def expert_slots(experts: torch.Tensor, num_slots: int) -> tuple[list[int], list[list[int]]]:
+    """slot_expert [num_slots]: the distinct experts of `experts` [B, K] in ascending id (-1
+    past them); slot_k [num_slots][B]: where each row lists the slot's expert (-1: it does not)."""
+    used = sorted(set(experts.flatten().tolist()))
+    slot_expert = [used[y] if y < len(used) else -1 for y in range(num_slots)]
+    rows = experts.tolist()
+    return slot_expert, [[row.index(e) if e in row else -1 for row in rows] for e in slot_expert]
+
+
 class _Step:
     """Buffers of one step (fp32 unless the kernel keeps them in bf16, where they are rounded)."""
 
@@ -33,9 +54,11 @@ class _Step:
         self.c, self.w, self.plan, self.kv = c, weights, plan, kv
         self.tokens, self.positions, self.tables = tokens.tolist(), positions, tables
         self.x = torch.zeros(B, c.hidden_size)
-        self.h = torch.zeros(B, c.hidden_size)
+        self.ss = torch.zeros(B, plan["norm_tiles"])  # sum of x^2 over each NORM tile's columns
+        self.router_logits = torch.zeros(B, c.num_experts)
         self.q = torch.zeros(B, c.q_size)
         self.part: dict[tuple[int, int, int], tuple] = {}  # (b, kv head, split) -> (acc [G, D], m [G], l [G])
+        self.tickets = [[0] * c.num_kv_heads for _ in range(B)]  # finished splits per (row, kv head)
         self.attn = torch.zeros(B, c.q_size)
         self.o = torch.zeros(B, c.hidden_size)
         self.slot_expert = [-1] * plan["expert_slots"]
@@ -49,33 +72,42 @@ class _Step:
                                      torch.zeros(c.num_layers + 1, B, c.hidden_size),
                                      torch.full((c.num_layers, B, c.top_k), -1, dtype=torch.long))
 
+    def normed(self, weight: torch.Tensor) -> torch.Tensor:
+        """h [B, H]: x normalized with the NORM tiles' sums of squares, summed in tile order."""
+        ss = self.ss[:, 0].clone()
+        for t in range(1, self.ss.shape[1]):
+            ss += self.ss[:, t]
+        rms = torch.rsqrt(ss / self.c.hidden_size + self.c.norm_eps)
+        return rb(rb(self.x * rms[:, None]) * weight.float())
+
     # ---- tasks (cuda/mk/op_*.cuh) -------------------------------------------------------------
-    def norm(self, layer: int, final: bool) -> None:
-        c, prev = self.c, (self.c.num_layers - 1 if final else layer - 1)
-        weight = (self.w.final_norm if final else self.w.layers[layer].norm).float()
+    def norm(self, layer: int, tile: int, final: bool) -> None:
+        prev, cols = (self.c.num_layers - 1 if final else layer - 1), self.plan["norm_cols"]
+        span = slice(tile * cols, (tile + 1) * cols)
         for b in range(self.plan["batch"]):
             if prev < 0:
-                v, attn, mlp = self.w.embed[self.tokens[b]].float(), 0.0, 0.0
+                v, attn, mlp = self.w.embed[self.tokens[b], span].float(), 0.0, 0.0
             else:
-                attn, mlp = self.o[b].clone(), self.mlp_out(prev, b)
-                v = rb(rb(self.x[b] + attn) + mlp)
-            self.trace.x[prev + 1, b], self.trace.attn[prev + 1, b], self.trace.mlp[prev + 1, b] = v, attn, mlp
-            self.x[b] = v
-            rms = torch.rsqrt(v.pow(2).mean() + c.norm_eps)
-            self.h[b] = rb(rb(v * rms) * weight)
+                attn, mlp = self.o[b, span].clone(), self.mlp_out(prev, b, span)
+                v = rb(rb(self.x[b, span] + attn) + mlp)
+            at = prev + 1
+            self.trace.x[at, b, span], self.trace.attn[at, b, span], self.trace.mlp[at, b, span] = v, attn, mlp
+            self.x[b, span] = v
+            self.ss[b, tile] = v.pow(2).sum()
 
-    def mlp_out(self, prev: int, b: int) -> torch.Tensor:
+    def mlp_out(self, prev: int, b: int, span: slice) -> torch.Tensor:
         if self.w.layers[prev].is_dense:
-            return self.mlp[b, 0].clone()
-        total = torch.zeros(self.c.hidden_size)
+            return self.mlp[b, 0, span].clone()
+        total = torch.zeros(span.stop - span.start)
         for k in range(self.c.top_k):
-            total = rb(total + rb(self.topk_weight[b, k] * self.mlp[b, k]))
+            total = rb(total + rb(self.topk_weight[b, k] * self.mlp[b, k, span]))
         return total
 
     def qkv(self, layer: int, tile: int) -> None:
         c, rows = self.c, self.plan["qkv_rows"]
         r0, r1 = tile * rows, min((tile + 1) * rows, c.q_size + 2 * c.kv_size)
-        out = rb(self.h[:self.plan["batch"]] @ self.w.layers[layer].qkv[r0:r1].float().T)  # [B, rows]
+        h = self.normed(self.w.layers[layer].norm)
+        out = rb(h @ self.w.layers[layer].qkv[r0:r1].float().T)  # [B, rows]
         for b, pos in enumerate(self.positions):
             for r in range(r0, r1, 2):
                 v0, v1 = out[b, r - r0], out[b, r - r0 + 1]
@@ -108,16 +140,20 @@ class _Step:
         q = self.q[b].view(c.num_heads, c.head_dim)[kvh * G:(kvh + 1) * G] * c.head_dim ** -0.5  # [G, D]
         if key1 <= key0:
             self.part[b, kvh, split] = (torch.zeros(G, c.head_dim), torch.full((G,), -torch.inf), torch.zeros(G))
-            return
-        table, pages = self.tables[c.layer_group[layer]][b], self.kv.layer_view(layer)
-        keys = torch.arange(key0, key1)
-        rows = pages[table[keys // PAGE_SIZE].long(), :, kvh, keys % PAGE_SIZE].float()  # [S, 2, D]
-        scores = q @ rows[:, 0].T  # [G, S]
-        m = scores.max(-1).values
-        e = torch.exp(scores - m[:, None])
-        self.part[b, kvh, split] = (e @ rows[:, 1], m, e.sum(-1))
+        else:
+            table, pages = self.tables[c.layer_group[layer]][b], self.kv.layer_view(layer)
+            keys = torch.arange(key0, key1)
+            rows = pages[table[keys // PAGE_SIZE].long(), :, kvh, keys % PAGE_SIZE].float()  # [S, 2, D]
+            scores = q @ rows[:, 0].T  # [G, S]
+            m = scores.max(-1).values
+            e = torch.exp(scores - m[:, None])
+            self.part[b, kvh, split] = (e @ rows[:, 1], m, e.sum(-1))
+        self.tickets[b][kvh] += 1  # the kernel's atomic ticket: the pair's last split merges and rezeroes it
+        if self.tickets[b][kvh] == splits:
+            self.tickets[b][kvh] = 0
+            self.merge(b, kvh, splits)
 
-    def combine(self, b: int, kvh: int, splits: int) -> None:
+    def merge(self, b: int, kvh: int, splits: int) -> None:
         c, G = self.c, self.c.gqa_group
         acc, m, l = (torch.stack(t) for t in zip(*(self.part[b, kvh, s] for s in range(splits))))
         mx = m.max(0).values
@@ -128,74 +164,69 @@ class _Step:
     def oproj(self, layer: int, tile: int) -> None:
         rows = self.plan["oproj_rows"]
         r0, r1 = tile * rows, min((tile + 1) * rows, self.c.hidden_size)
-        self.o[:, r0:r1] = rb(self.attn[:self.plan["batch"]] @ self.w.layers[layer].o[r0:r1].float().T)
+        self.o[:, r0:r1] = rb(self.attn @ self.w.layers[layer].o[r0:r1].float().T)
 
-    def router(self, layer: int) -> None:
-        c, B = self.c, self.plan["batch"]
-        logits = rb(self.h[:B] @ self.w.layers[layer].router.float().T)  # [B, E]
-        for b in range(B):
-            # top-k by value, ties to the lower id (a stable sort of the negated logits)
-            picked = sorted(torch.sort(-logits[b], stable=True).indices[:c.top_k].tolist())
-            self.topk_weight[b] = rb(torch.sigmoid(logits[b, picked]))
-            self.trace.experts[layer, b] = torch.tensor(picked)
-        used = sorted(set(self.trace.experts[layer, :B].flatten().tolist()))
-        for y in range(self.plan["expert_slots"]):
-            self.slot_expert[y] = used[y] if y < len(used) else -1
-            if y < len(used):
-                self.slot_k[y] = [self.trace.experts[layer, b].tolist().index(used[y])
-                                  if used[y] in self.trace.experts[layer, b].tolist() else -1 for b in range(B)]
-
-    def slot(self, layer: int, y: int):
-        """(gate_up [2I, H], down [H, I], routed rows with their top-k index) of mlp slot y, or None."""
-        lw = self.w.layers[layer]
-        if lw.is_dense:
-            return lw.gate_up, lw.down, [(b, 0) for b in range(self.plan["batch"])]
-        e = self.slot_expert[y]
-        if e < 0:
-            return None
-        return lw.experts_gate_up[e], lw.experts_down[e], [(b, k) for b, k in enumerate(self.slot_k[y]) if k >= 0]
+    def router(self, layer: int, tile: int) -> None:
+        rows = self.plan["router_rows"]
+        e0, e1 = tile * rows, min((tile + 1) * rows, self.c.num_experts)
+        h = self.normed(self.w.layers[layer].norm)
+        self.router_logits[:, e0:e1] = rb(h @ self.w.layers[layer].router[e0:e1].float().T)
 
     def gate_up(self, layer: int, tile: int, y: int) -> None:
-        s = self.slot(layer, y)
-        if s is None:
-            return
-        gate_up, _, _ = s
+        lw = self.w.layers[layer]
+        if lw.is_dense:
+            gate_up = lw.gate_up
+        else:  # every task routes itself; x = 0 publishes its slot, (0, 0) the weights
+            experts, weights = route(self.router_logits, self.c.top_k)
+            slot_expert, slot_k = expert_slots(experts, self.plan["expert_slots"])
+            if tile == 0:
+                self.slot_expert[y], self.slot_k[y] = slot_expert[y], slot_k[y]
+                if y == 0:
+                    self.topk_weight[:], self.trace.experts[layer] = weights, experts
+            if slot_expert[y] < 0:
+                return
+            gate_up = lw.experts_gate_up[slot_expert[y]]
         inter = gate_up.shape[0] // 2
-        cols = self.plan["dense_cols" if self.w.layers[layer].is_dense else "moe_cols"]
+        cols = self.plan["dense_cols" if lw.is_dense else "moe_cols"]
         c0, c1 = tile * cols, min((tile + 1) * cols, inter)
-        B = self.plan["batch"]
-        g = rb(self.h[:B] @ gate_up[c0:c1].float().T)
-        u = rb(self.h[:B] @ gate_up[inter + c0:inter + c1].float().T)
-        self.act[y, :B, c0:c1] = rb(rb(F.silu(g)) * u)
+        h = self.normed(lw.norm)
+        g = rb(h @ gate_up[c0:c1].float().T)
+        u = rb(h @ gate_up[inter + c0:inter + c1].float().T)
+        self.act[y, :, c0:c1] = rb(rb(F.silu(g)) * u)
 
     def down(self, layer: int, tile: int, y: int) -> None:
-        s = self.slot(layer, y)
-        if s is None:
+        lw = self.w.layers[layer]
+        if lw.is_dense:
+            down, routed = lw.down, [(b, 0) for b in range(self.plan["batch"])]
+        elif self.slot_expert[y] < 0:
             return
-        _, down, routed = s
-        rows = self.plan["dense_down_rows" if self.w.layers[layer].is_dense else "moe_down_rows"]
+        else:
+            down = lw.experts_down[self.slot_expert[y]]
+            routed = [(b, k) for b, k in enumerate(self.slot_k[y]) if k >= 0]
+        rows = self.plan["dense_down_rows" if lw.is_dense else "moe_down_rows"]
         r0, r1 = tile * rows, min((tile + 1) * rows, self.c.hidden_size)
         inter = down.shape[1]
         for b, k in routed:
             self.mlp[b, k, r0:r1] = rb(self.act[y, b, :inter] @ down[r0:r1].float().T)
 
     def lm_head(self, tile: int) -> None:
-        rows, B = self.plan["lm_rows"], self.plan["batch"]
+        rows = self.plan["lm_rows"]
         r0, r1 = tile * rows, min((tile + 1) * rows, self.c.vocab_size)
-        self.logits[:, r0:r1] = rb(self.h[:B] @ self.w.embed[r0:r1].float().T) * self.c.logit_scale
+        h = self.normed(self.w.final_norm)
+        self.logits[:, r0:r1] = rb(h @ self.w.embed[r0:r1].float().T) * self.c.logit_scale
 
     def run(self, t) -> None:
         op, layer, x, y, z = Opcode(int(t["op"])), int(t["layer"]), int(t["x"]), int(t["y"]), int(t["z"])
         if op in (Opcode.NORM, Opcode.FINAL_NORM):
-            self.norm(layer, op == Opcode.FINAL_NORM)
+            self.norm(layer, x, op == Opcode.FINAL_NORM)
         elif op == Opcode.QKV:
             self.qkv(layer, x)
         elif op == Opcode.ROUTER:
-            self.router(layer)
+            self.router(layer, x)
         elif op == Opcode.ATTN:
             self.attention(layer, x, y, z & 0xFF, z >> 8)
         elif op == Opcode.COMBINE:
-            self.combine(x, y, z)
+            raise ValueError("opcode COMBINE is retired (v0.3): the last ATTN split of a pair merges")
         elif op == Opcode.OPROJ:
             self.oproj(layer, x)
         elif op == Opcode.GATE_UP:
@@ -212,7 +243,12 @@ def run_schedule(config: ModelConfig, weights: ModelWeights, schedule: Schedule,
                  ) -> tuple[torch.Tensor, MegakernelTrace]:
     """Executes the schedule's tasks on CPU tensors (weights and kv on the CPU); writes k, v into
     kv. Returns fp32 logits [B, V] and the per-layer records the kernel's debug capture makes.
-    Raises RuntimeError if no SM can make progress (a deadlock)."""
+    Raises ValueError on rows that do not match the schedule's batch or a task with a retired
+    or unknown opcode, RuntimeError if no SM can make progress (a deadlock)."""
+    batch = schedule.plan["batch"]
+    if tokens.shape != (batch,) or len(positions) != batch:
+        raise ValueError(f"the schedule is for {batch} rows, got {tuple(tokens.shape)} tokens and "
+                         f"{len(positions)} positions")
     step = _Step(config, weights, schedule.plan, tokens, positions, tables, kv)
     counters = [0] * schedule.plan["num_counters"]
     cursor = [0] * schedule.num_sms

@@ -3,24 +3,29 @@ computes the reference's decode step, layer by layer."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import numpy as np
 import pytest
 import torch
 
 from northmk.checkpoint import synthetic_weights
 from northmk.config import PAGE_SIZE, ModelConfig
-from northmk.megakernel import Schedule
-from northmk.megakernel_interpreter import run_schedule
+from northmk.megakernel import Opcode, Schedule, check_schedule
+from northmk.megakernel_interpreter import _Step, rb, run_schedule
 from northmk.megakernel_oracle import AGREE, AGREE_LAYER, cosine, first_divergence, layer_report, reference_step
 from northmk.model.kv import BatchLayout, PagedKVCache
+from northmk.model.reference import route as reference_route
+from northmk.native import NativeError
 
 
 @pytest.fixture(scope="module")
 def small():
     """The narrowest geometry the kernel takes (head_dim 128, hidden a multiple of 256), full
-    and sliding layers, a dense first layer and routed experts."""
+    and sliding layers, a dense first layer and routed experts (40: a short last router tile)."""
     config = ModelConfig.from_dict({
         "model_type": "cohere2_moe", "hidden_size": 256, "num_hidden_layers": 5, "num_attention_heads": 2,
-        "num_key_value_heads": 1, "head_dim": 128, "vocab_size": 512, "num_experts": 8, "num_experts_per_tok": 2,
+        "num_key_value_heads": 1, "head_dim": 128, "vocab_size": 512, "num_experts": 40, "num_experts_per_tok": 2,
         "intermediate_size": 64, "prefix_dense_intermediate_size": 128, "first_k_dense_replace": 1,
         "sliding_window": 64, "rope_theta": 50000.0, "rms_norm_eps": 1e-6, "expert_selection_fn": "sigmoid",
         "norm_topk_prob": False, "logit_scale": 1.0, "tie_word_embeddings": True,
@@ -93,3 +98,89 @@ def test_a_wait_nobody_can_satisfy_is_a_deadlock(small):
     schedule.tasks[first_waiting]["target"] += 1
     with pytest.raises(RuntimeError, match="deadlock"):
         run_schedule(config, weights, schedule, TOKENS, [c - 1 for c in CONTEXTS], tables, kv)
+
+
+def test_norm_and_router_tasks_are_the_planned_tiles(small):
+    config, _ = small
+    s = Schedule(config, 7, CONTEXTS)
+    p = s.plan
+    assert p["norm_tiles"] == 256 // 128 and p["router_rows"] == 16 and p["router_tiles"] == 3  # 16 + 16 + 8
+    for layer in range(config.num_layers):
+        of_layer = s.tasks[s.tasks["layer"] == layer]
+        assert sorted(of_layer["x"][of_layer["op"] == Opcode.NORM]) == [0, 1]
+        assert sorted(of_layer["x"][of_layer["op"] == Opcode.ROUTER]) == ([] if layer == 0 else [0, 1, 2])
+    assert sorted(s.tasks["x"][s.tasks["op"] == Opcode.FINAL_NORM]) == [0, 1]
+
+
+def test_a_combine_task_is_rejected(small):
+    config, weights = small
+    s = Schedule(config, 7, CONTEXTS)
+    tasks = s.tasks.copy()
+    tasks["op"][np.flatnonzero(tasks["op"] == Opcode.ATTN)[0]] = Opcode.COMBINE
+    with pytest.raises(NativeError, match="retired opcode COMBINE"):
+        check_schedule(config, s.plan, tasks, s.sm_offsets)
+    s.tasks = tasks
+    kv, tables = cache(config, CONTEXTS)
+    with pytest.raises(ValueError, match="COMBINE is retired"):
+        run_schedule(config, weights, s, TOKENS, [c - 1 for c in CONTEXTS], tables, kv)
+
+
+def tie_rule_top_k(logits: torch.Tensor, k: int) -> list[list[int]]:
+    """Each row's k largest logits, ties to the lower id, listed in ascending id."""
+    return [sorted(sorted(range(len(row)), key=lambda e: (-row[e], e))[:k]) for row in logits.tolist()]
+
+
+def test_every_gate_up_task_routes_itself_as_the_reference_top_k_including_ties(small):
+    config, weights = small
+    layer, B, E, K = 2, len(CONTEXTS), config.num_experts, config.top_k
+    s = Schedule(config, 40, CONTEXTS)
+    assert s.plan["moe_cols"] < config.moe_intermediate_size, "several GATE_UP tiles per slot"
+    kv, tables = cache(config, CONTEXTS)
+    step = _Step(config, weights, s.plan, TOKENS, [c - 1 for c in CONTEXTS], tables, kv)
+    gen = torch.Generator().manual_seed(4)
+    step.x = rb(torch.randn(B, config.hidden_size, generator=gen))
+    step.ss = step.x.view(B, -1, 128).pow(2).sum(-1)
+    logits = rb(torch.randn(B, E, generator=gen))
+    logits[0, [9, 4, 30]] = 3.0  # a three-way tie for two places: 4 and 9
+    logits[1] = 0.5  # all tied: 0 and 1
+    logits[2, [33, 7]] = 4.0  # a tie inside the top-k: both
+    step.router_logits = logits.clone()
+    gate_ups = [t for t in s.tasks if t["op"] == Opcode.GATE_UP and t["layer"] == layer]
+    for t in reversed(gate_ups):  # tiles x > 0 run before x = 0 publishes the slot: each routes itself
+        step.run(t)
+
+    expected = tie_rule_top_k(logits, K)
+    assert step.trace.experts[layer].tolist() == expected
+    assert expected[:3] == [[4, 9], [0, 1], [7, 33]]
+    _, reference = reference_route(logits, K, "sigmoid", False)
+    for b in range(B):  # the reference's top-k: the same logits picked, the same experts where no tie decides
+        assert sorted(logits[b, expected[b]].tolist()) == sorted(logits[b, reference[b]].tolist())
+        if b >= 2:
+            assert sorted(reference[b].tolist()) == expected[b]
+    assert torch.equal(step.topk_weight, rb(torch.sigmoid(logits.gather(1, torch.tensor(expected)))))
+    used = sorted({e for row in expected for e in row})
+    assert step.slot_expert == used + [-1] * (s.plan["expert_slots"] - len(used))
+    h = step.normed(weights.layers[layer].norm)
+    inter = config.moe_intermediate_size
+    for y, e in enumerate(used):
+        assert step.slot_k[y] == [row.index(e) if e in row else -1 for row in expected]
+        gate_up = weights.layers[layer].experts_gate_up[e].float()
+        act = rb(rb(torch.nn.functional.silu(rb(h @ gate_up[:inter].T))) * rb(h @ gate_up[inter:].T))
+        assert torch.equal(step.act[y, :, :inter], act), (y, e)
+
+
+def test_a_layer_whose_router_logits_all_tie_routes_every_row_to_the_lowest_ids(small):
+    config, weights = small
+    layers = list(weights.layers)
+    router = layers[3].router
+    layers[3] = replace(layers[3], router=router[:1].expand_as(router).contiguous())
+    tied = replace(weights, layers=layers)
+    kv, tables = cache(config, CONTEXTS)
+    before = copy(config, kv)
+    positions = [c - 1 for c in CONTEXTS]
+    logits, trace = run_schedule(config, tied, Schedule(config, 7, CONTEXTS), TOKENS, positions, tables, kv)
+    assert trace.experts[3].tolist() == [[0, 1]] * len(CONTEXTS)
+    layout = BatchLayout([1] * len(CONTEXTS), positions, tables)
+    oracle = reference_step(config, tied, TOKENS, layout, before, trace=trace)
+    assert not oracle.routing_errors, oracle.routing_errors[:3]
+    assert first_divergence(layer_report(trace, oracle)) is None

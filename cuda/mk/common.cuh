@@ -1,4 +1,5 @@
-// Device helpers shared by the tasks: loads, reductions, the bf16 row-dot of the GEMVs.
+// Device helpers shared by the tasks: loads, reductions, staging of GEMV inputs, and the
+// tensor-core GEMV every matrix task runs.
 #pragma once
 
 #include "config.cuh"
@@ -16,8 +17,15 @@ __device__ __forceinline__ uint4 load_weight(const bf16 *p) {
 
 // Step scratch and KV are written by other SMs during the step: read them from L2.
 __device__ __forceinline__ float load_l2(const float *p) { return __ldcg(p); }
+__device__ __forceinline__ float4 load_l2(const float4 *p) { return __ldcg(p); }
 __device__ __forceinline__ uint4 load_l2(const uint4 *p) { return __ldcg(p); }
+__device__ __forceinline__ uint2 load_l2(const uint2 *p) { return __ldcg(p); }
 __device__ __forceinline__ int32_t load_l2(const int32_t *p) { return __ldcg(p); }
+
+// Asks the TMA unit to pull [p, p + bytes) into L2 (both 16-byte aligned), without waiting.
+__device__ __forceinline__ void prefetch_l2(const void *p, uint32_t bytes) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+}
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -26,6 +34,11 @@ __device__ __forceinline__ float warp_sum(float v) {
 }
 
 __device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16(v)); }
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t *>(&v);
+}
 
 __device__ __forceinline__ void unpack8(uint4 v, float out[8]) {
     const __nv_bfloat162 *p = reinterpret_cast<const __nv_bfloat162 *>(&v);
@@ -37,84 +50,124 @@ __device__ __forceinline__ void unpack8(uint4 v, float out[8]) {
     }
 }
 
-// Copies rows x K bf16 (K % 8 == 0) from global scratch (src_stride elements apart) into
-// shared memory (K apart).
+// ---- GEMV inputs: [8][in_stride(K)] bf16 in shared memory, one row per batch row ----------------
+// The stride is 32 elements past a multiple of 64, so the 8 lanes of a 16-byte shared-load
+// phase (two rows x four 16-byte chunks) hit 32 distinct banks.
+__host__ __device__ __forceinline__ int in_stride(int K) { return (K + 63) / 64 * 64 + 32; }
+
+// Copies rows x K bf16 (K % 8 == 0) from global scratch (src_stride apart) to a GEMV input.
 __device__ __forceinline__ void stage_bf16(bf16 *dst, const bf16 *src, int rows, int K, int src_stride) {
-    int chunks = K / 8;
+    const int chunks = K / 8, ds = in_stride(K);
     for (int i = threadIdx.x; i < rows * chunks; i += kThreads) {
         int r = i / chunks, c = i % chunks;
-        reinterpret_cast<uint4 *>(dst + r * K)[c] = load_l2(reinterpret_cast<const uint4 *>(src + r * src_stride) + c);
+        reinterpret_cast<uint4 *>(dst + r * ds)[c] = load_l2(reinterpret_cast<const uint4 *>(src + (size_t)r * src_stride) + c);
     }
 }
 
-// acc[r][b] = w[r][:] . in[b, :] for R weight rows, summed over the warp. in: shared, [B][K].
-// Each lane keeps R x kLoadsInFlight 16-byte weight loads in flight before it computes:
-// a GEMV task is bound by how many bytes one SM has outstanding.
-constexpr int kLoadsInFlight = 4;
+// The normed residual as a GEMV input: h = bf16(round(x * rms) * weight), rms from the NORM
+// tiles' sums of squares (the roundings of the reference's RMSNorm). Ends with a barrier.
+__device__ __forceinline__ void stage_normed(bf16 *dst, const Params &p, const bf16 *weight, int rows, float *rms) {
+    const int H = p.hidden, ds = in_stride(H);
+    if (threadIdx.x < rows) {
+        float ss = 0.f;
+        for (int t = 0; t < p.plan.norm_tiles; t++) ss += load_l2(p.ss + threadIdx.x * kMaxNormTiles + t);
+        rms[threadIdx.x] = rsqrtf(ss / H + p.norm_eps);
+    }
+    __syncthreads();
+    const int chunks = H / 8;
+    for (int i = threadIdx.x; i < rows * chunks; i += kThreads) {
+        const int r = i / chunks, c = i % chunks;
+        const float4 *x = reinterpret_cast<const float4 *>(p.x + (size_t)r * H) + 2 * c;
+        float4 a = load_l2(x), b = load_l2(x + 1);
+        float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w}, w[8];
+        unpack8(reinterpret_cast<const uint4 *>(weight)[c], w);
+        uint4 out;
+        uint32_t *o = reinterpret_cast<uint32_t *>(&out);
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+            o[j] = pack_bf16(round_bf16(v[2 * j] * rms[r]) * w[2 * j], round_bf16(v[2 * j + 1] * rms[r]) * w[2 * j + 1]);
+        reinterpret_cast<uint4 *>(dst + r * ds)[c] = out;
+    }
+    __syncthreads();
+}
 
-template <int B, int R>
-__device__ __forceinline__ void rows_dot(const bf16 *const w[R], const bf16 *in, int K, float acc[R][B]) {
-    const int lane = threadIdx.x & 31;
+// ---- the tensor-core GEMV ---------------------------------------------------------------------
+// mma.m16n8k16 with weights as A (16 rows) and the 8 batch rows as B. The reduction order
+// inside an mma is free, so each lane loads 16 contiguous bytes per row: lane (g, t) reads
+// weight rows g and g + 8 and input row g at k0 + 8t .. k0 + 8t + 7, and the two mmas of a
+// 32-wide k step take words {0, 1} and {2, 3} of those chunks as their k pairs.
+__device__ __forceinline__ void mma_bf16(float c[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                         uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void mma_k32(float c[4], uint4 lo, uint4 hi, uint4 x) {
+    mma_bf16(c, lo.x, hi.x, lo.y, hi.y, x.x, x.y);
+    mma_bf16(c, lo.z, hi.z, lo.w, hi.w, x.z, x.w);
+}
+
+constexpr int kStepsInFlight = 8;  // 32-wide k steps whose weight loads a lane issues together
+
+// c += rows lo, hi (lane's rows g, g + 8) . input row g over k in [ka, kb) (multiples of 32).
+__device__ __forceinline__ void tile_dot(const bf16 *lo, const bf16 *hi, const bf16 *x, int ka, int kb, float c[4]) {
+    int k = ka;
+    for (; k + 32 * kStepsInFlight <= kb; k += 32 * kStepsInFlight) {
+        uint4 wl[kStepsInFlight], wh[kStepsInFlight];
 #pragma unroll
-    for (int r = 0; r < R; r++)
-#pragma unroll
-        for (int b = 0; b < B; b++) acc[r][b] = 0.f;
-    for (int k0 = lane * 8; k0 < K; k0 += 256 * kLoadsInFlight) {
-        uint4 wv[R][kLoadsInFlight];
-#pragma unroll
-        for (int c = 0; c < kLoadsInFlight; c++)
-#pragma unroll
-            for (int r = 0; r < R; r++)
-                wv[r][c] = k0 + c * 256 < K ? load_weight(w[r] + k0 + c * 256) : make_uint4(0, 0, 0, 0);
-#pragma unroll
-        for (int c = 0; c < kLoadsInFlight; c++) {
-            const int k = k0 + c * 256;
-            if (k >= K) break;
-#pragma unroll
-            for (int b = 0; b < B; b++) {
-                float v[8];
-                unpack8(*reinterpret_cast<const uint4 *>(in + b * K + k), v);
-#pragma unroll
-                for (int r = 0; r < R; r++) {
-                    float wf[8];
-                    unpack8(wv[r][c], wf);
-#pragma unroll
-                    for (int i = 0; i < 8; i++) acc[r][b] = fmaf(wf[i], v[i], acc[r][b]);
-                }
-            }
+        for (int i = 0; i < kStepsInFlight; i++) {
+            wl[i] = load_weight(lo + k + 32 * i);
+            wh[i] = load_weight(hi + k + 32 * i);
         }
+#pragma unroll
+        for (int i = 0; i < kStepsInFlight; i++) mma_k32(c, wl[i], wh[i], *reinterpret_cast<const uint4 *>(x + k + 32 * i));
     }
-#pragma unroll
-    for (int r = 0; r < R; r++)
-#pragma unroll
-        for (int b = 0; b < B; b++) acc[r][b] = warp_sum(acc[r][b]);
+    for (; k < kb; k += 32) mma_k32(c, load_weight(lo + k), load_weight(hi + k), *reinterpret_cast<const uint4 *>(x + k));
 }
 
-// out(r, acc[B]) for each row r in [0, n) of W (rows `stride` elements apart) dotted with
-// in: shared [B][K]; each warp takes two rows at a time.
-template <int B, class Out>
-__device__ __forceinline__ void gemv_rows(const bf16 *W, size_t stride, int n, const bf16 *in, int K, Out out) {
-    for (int r = 2 * (threadIdx.x >> 5); r < n; r += 2 * kWarps) {
-        const int r2 = min(r + 1, n - 1);
-        const bf16 *w[2] = {W + (size_t)r * stride, W + (size_t)r2 * stride};
-        float acc[2][B];
-        rows_dot<B, 2>(w, in, K, acc);
-        out(r, acc[0]);
-        if (r2 != r) out(r2, acc[1]);
+// out[r * 8 + n] = row(r) . in[n] for r < n_rows (out: shared fp32, [round_up(n_rows, 16)][8]).
+// Warps take 16-row tiles; with fewer tiles than warps they split K as well and add through
+// `red` (shared, 8 * 128 floats). K % 32 == 0. Ends with a barrier.
+template <class Row>
+__device__ __forceinline__ void gemv(Row row, int n_rows, const bf16 *in, int K, float *out, float *red) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int tiles = (n_rows + 15) / 16, ks = tiles >= kWarps ? 1 : kWarps / tiles, steps = K / 32;
+    const bf16 *x = in + g * in_stride(K) + 8 * t;
+    for (int item = warp; item < tiles * ks; item += kWarps) {
+        const int tile = item / ks, part = item % ks, r = tile * 16 + g;
+        const bf16 *lo = row(min(r, n_rows - 1)) + 8 * t, *hi = row(min(r + 8, n_rows - 1)) + 8 * t;
+        float c[4] = {0.f, 0.f, 0.f, 0.f};
+        tile_dot(lo, hi, x, steps * part / ks * 32, steps * (part + 1) / ks * 32, c);
+        float *dst = ks == 1 ? out + tile * 128 : red + item * 128;
+        *reinterpret_cast<float2 *>(dst + g * 8 + 2 * t) = make_float2(c[0], c[1]);
+        *reinterpret_cast<float2 *>(dst + (g + 8) * 8 + 2 * t) = make_float2(c[2], c[3]);
+    }
+    __syncthreads();
+    if (ks > 1) {
+        for (int i = threadIdx.x; i < tiles * 128; i += kThreads) {
+            const int tile = i / 128, e = i % 128;
+            float s = 0.f;
+            for (int part = 0; part < ks; part++) s += red[(tile * ks + part) * 128 + e];
+            out[i] = s;
+        }
+        __syncthreads();
     }
 }
 
-__device__ __forceinline__ float block_sum(float v, float *scratch) {
-    v = warp_sum(v);
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    __syncthreads();
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    float total = 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarps; w++) total += scratch[w];
-    return total;
-}
+// Shared-memory carve-up of a GEMV task: input, output, split-K partials, then `extra` bytes.
+struct GemvSmem {
+    bf16 *in;
+    float *out, *red;
+    char *extra;
+    __device__ GemvSmem(char *smem, int K, int out_rows) {
+        in = reinterpret_cast<bf16 *>(smem);
+        out = reinterpret_cast<float *>(smem + NMK_MK_MAX_BATCH * in_stride(K) * sizeof(bf16));
+        red = out + (out_rows + 15) / 16 * 16 * 8;
+        extra = reinterpret_cast<char *>(red + kWarps * 128);
+    }
+};
 
 // Physical page of row b's position pos in a KV group.
 __device__ __forceinline__ int kv_page(const Params &p, int group, int b, int pos) {
@@ -122,6 +175,5 @@ __device__ __forceinline__ int kv_page(const Params &p, int group, int b, int po
     if (page < 0) __trap();  // the host guarantees a page for every position it sends
     return page;
 }
-
 
 }  // namespace nmk::mk

@@ -16,10 +16,11 @@ constexpr int kHeadDim = 128;        // attention kernels hold head_dim / 32 val
 constexpr int kMaxGroup = 8;         // query heads per kv head
 constexpr int kMaxTopK = 8;
 constexpr int kPage = 64;           // tokens per KV page (config.PAGE_SIZE)
-constexpr int kSmemBytes = 96 * 1024;
-static_assert(kHeadDim % 32 == 0 && kThreads % 32 == 0, "warp-sized tiles");
-static_assert(kWarps * kMaxGroup * (kHeadDim + 2) * 4 <= kSmemBytes, "attention merge fits");
-static_assert(NMK_MK_MAX_BATCH * 4096 * 2 <= kSmemBytes, "o-proj input (B x Q bf16) fits");
+constexpr int kMaxK = 4096;         // widest GEMV input (q width, intermediate sizes)
+constexpr int kMaxNormTiles = 64;   // hidden / norm_cols
+constexpr int kSmemBytes = 160 * 1024;
+static_assert(kHeadDim == 128 && kThreads == 256, "the attention and GEMV tiles assume these");
+static_assert(NMK_MK_MAX_BATCH == 8, "GEMV inputs are the n = 8 columns of m16n8k16 tensor-core tiles");
 
 struct Layer {
     const bf16 *norm, *qkv, *o, *gate_up, *down, *router, *experts_gate_up, *experts_down;
@@ -46,7 +47,9 @@ struct Params {
     int32_t *next_tokens;
     // scratch (B = NMK_MK_MAX_BATCH rows each)
     float *x;          // [B, H] residual stream
-    bf16 *h;           // [B, H] normed
+    float *ss;         // [B, kMaxNormTiles] sums of squares of x per NORM tile (consumers normalize)
+    float *router_logits;  // [B, E]
+    uint32_t *attn_ticket; // [B, kv_heads] finished splits; the last one merges and rezeroes
     float *q;          // [B, Q] rotated queries
     float *part;       // [B, kv_heads, MAX_SPLITS, group, head_dim + 2]: acc, max, sum
     bf16 *attn;        // [B, Q]

@@ -124,7 +124,10 @@ void alloc_scratch(nmk_mk &mk, const nmk_mk_geometry &g) {
     const size_t slots = std::min(B * g.top_k, (size_t)g.num_experts);
     const size_t group = g.num_heads / g.num_kv_heads;
     p.x = device_alloc<float>(B * H, mk.owned);
-    p.h = device_alloc<bf16>(B * H, mk.owned);
+    p.ss = device_alloc<float>(B * nmk::mk::kMaxNormTiles, mk.owned);
+    p.router_logits = device_alloc<float>(B * g.num_experts, mk.owned);
+    p.attn_ticket = device_alloc<uint32_t>(B * g.num_kv_heads, mk.owned);
+    cuda_check(cudaMemset(p.attn_ticket, 0, B * g.num_kv_heads * sizeof(uint32_t)), "zero attention tickets");
     p.q = device_alloc<float>(B * Q, mk.owned);
     p.part = device_alloc<float>(B * g.num_kv_heads * NMK_MK_MAX_SPLITS * group * (g.head_dim + 2), mk.owned);
     p.attn = device_alloc<bf16>(B * Q, mk.owned);
@@ -151,11 +154,13 @@ void check_geometry(const nmk_mk_geometry &g) {
     if (g.head_dim != nmk::mk::kHeadDim) bad("head_dim must be 128");
     if (g.num_heads / g.num_kv_heads > nmk::mk::kMaxGroup) bad("at most 8 query heads per kv head");
     if (g.top_k > nmk::mk::kMaxTopK) bad("top_k must be <= 8");
+    if (g.num_experts > 128) bad("at most 128 experts");
     if (g.page_size != nmk::mk::kPage) bad("page_size must be 64");
-    if ((size_t)NMK_MK_MAX_BATCH * g.num_heads * g.head_dim * 2 > nmk::mk::kSmemBytes) bad("q width too large");
-    if ((size_t)NMK_MK_MAX_BATCH * std::max(g.moe_inter, g.dense_inter) * 2 + 64 > nmk::mk::kSmemBytes)
-        bad("intermediate size too large");
-    if ((size_t)NMK_MK_MAX_BATCH * g.hidden * 2 + 8 * 1024 > nmk::mk::kSmemBytes) bad("hidden size too large");
+    if (g.num_heads * g.head_dim > nmk::mk::kMaxK) bad("num_heads * head_dim must be <= 4096");
+    if (g.moe_inter % 32 || g.dense_inter % 32) bad("intermediate sizes must be multiples of 32");
+    if (std::max(g.moe_inter, g.dense_inter) > nmk::mk::kMaxK) bad("intermediate sizes must be <= 4096");
+    if (g.hidden % 256 || g.hidden / 128 > nmk::mk::kMaxNormTiles || g.hidden > nmk::mk::kMaxK)
+        bad("hidden_size must be a multiple of 256, at most 4096");
 }
 
 }  // namespace

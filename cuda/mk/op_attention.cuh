@@ -1,23 +1,69 @@
 // NMK_OP_ATTN: one split of one (row, kv head): the row's live keys are cut into `splits`
-// page ranges at run time; each warp walks keys with an online softmax for the group's
-// query heads, then the warps merge. NMK_OP_COMBINE merges the splits into attn_out.
+// page ranges at run time. Warps take 16-key chunks: scores of the group's query heads by
+// tensor cores (S = Q K^T, heads as the mma's rows, keys as its 8 columns), an online
+// softmax per head, then P V by FMAs with each lane owning 4 dims. The warps merge into the
+// split's partial (acc, max, sum); the last split of the pair to finish merges the splits
+// into attn_out (a ticket per pair in global memory), so o-proj waits on ATTN alone.
 #pragma once
 
 #include "common.cuh"
 
 namespace nmk::mk {
 
-constexpr int kDimsPerLane = kHeadDim / 32;
 constexpr int kPartStride = kHeadDim + 2;  // acc[head_dim], max, sum
+constexpr int kQStride = kHeadDim + 8;     // bf16 per query head in shared memory
 
 __device__ __forceinline__ float *part_of(const Params &p, int b, int kvh, int split, int g) {
     int group = p.num_heads / p.num_kv_heads;
     return p.part + ((((size_t)b * p.num_kv_heads + kvh) * NMK_MK_MAX_SPLITS + split) * group + g) * kPartStride;
 }
 
+struct AttnSmem {
+    bf16 q[kMaxGroup][kQStride];
+    float p[kWarps][16][kMaxGroup];  // per warp: probabilities of its chunk's keys
+    float corr[kWarps][kMaxGroup];
+    float m[kWarps][kMaxGroup], l[kWarps][kMaxGroup];
+    float acc[kWarps][kMaxGroup][kHeadDim];
+    float split_w[NMK_MK_MAX_SPLITS][kMaxGroup], split_l[NMK_MK_MAX_SPLITS][kMaxGroup];
+    float den[kMaxGroup];
+    int last;
+};
+
+// Merges the splits of (b, kvh) from their partials into attn_out.
+__device__ void merge_splits(const Params &p, AttnSmem &s, int b, int kvh, int splits) {
+    const int G = p.num_heads / p.num_kv_heads;
+    for (int i = threadIdx.x; i < splits * G; i += kThreads) {
+        const float *part = part_of(p, b, kvh, i / G, i % G);
+        s.split_w[i / G][i % G] = load_l2(part + kHeadDim);
+        s.split_l[i / G][i % G] = load_l2(part + kHeadDim + 1);
+    }
+    __syncthreads();
+    if (threadIdx.x < G) {
+        const int g = threadIdx.x;
+        float mx = -INFINITY, den = 0.f;
+        for (int z = 0; z < splits; z++) mx = fmaxf(mx, s.split_w[z][g]);
+        for (int z = 0; z < splits; z++) {
+            const float w = s.split_w[z][g] == -INFINITY ? 0.f : __expf(s.split_w[z][g] - mx);
+            s.split_w[z][g] = w;
+            den += w * s.split_l[z][g];
+        }
+        s.den[g] = den;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < G * kHeadDim; i += kThreads) {
+        const int g = i / kHeadDim, d = i % kHeadDim;
+        float num = 0.f;
+#pragma unroll 8
+        for (int z = 0; z < splits; z++) num += s.split_w[z][g] * load_l2(part_of(p, b, kvh, z, g) + d);
+        p.attn[(size_t)b * p.num_heads * kHeadDim + (kvh * G + g) * kHeadDim + d] = __float2bfloat16(num / s.den[g]);
+    }
+}
+
 __device__ void run_attention(const Params &p, int layer, int b, int kvh, int split, int splits, char *smem) {
     const Layer &L = p.layers[layer];
+    AttnSmem &s = *reinterpret_cast<AttnSmem *>(smem);
     const int G = p.num_heads / p.num_kv_heads, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, t = lane & 3;
     const int pos = p.positions[b];
     const int lo = L.sliding ? max(0, pos - p.sliding_window + 1) : 0;
     const int first_page = lo / kPage, pages = pos / kPage - first_page + 1;
@@ -25,86 +71,127 @@ __device__ void run_attention(const Params &p, int layer, int b, int kvh, int sp
     const int key1 = min(pos + 1, (first_page + (split + 1) * pages / splits) * kPage);
     const float scale = rsqrtf((float)kHeadDim);
 
-    float q[kMaxGroup][kDimsPerLane], acc[kMaxGroup][kDimsPerLane], m[kMaxGroup], l[kMaxGroup];
-#pragma unroll
-    for (int g = 0; g < kMaxGroup; g++) {
-        m[g] = -INFINITY, l[g] = 0.f;
-#pragma unroll
-        for (int j = 0; j < kDimsPerLane; j++) {
-            acc[g][j] = 0.f;
-            q[g][j] = g < G ? load_l2(p.q + (size_t)b * p.num_heads * kHeadDim + (kvh * G + g) * kHeadDim +
-                                      lane * kDimsPerLane + j) * scale
-                            : 0.f;
-        }
-    }
-    for (int key = key0 + warp; key < key1; key += kWarps) {
-        const bf16 *base = L.kv + kv_page(p, L.group, b, key) * L.page_stride +
-                           ((size_t)kvh * kPage + key % kPage) * kHeadDim + lane * kDimsPerLane;
-        const bf16 *vbase = base + (size_t)p.num_kv_heads * kPage * kHeadDim;
-        uint2 kr = __ldcg(reinterpret_cast<const uint2 *>(base)), vr = __ldcg(reinterpret_cast<const uint2 *>(vbase));
-        float k[4], v[4];
-        const __nv_bfloat162 *k2 = reinterpret_cast<const __nv_bfloat162 *>(&kr), *v2 = reinterpret_cast<const __nv_bfloat162 *>(&vr);
-        float2 a = __bfloat1622float2(k2[0]), c = __bfloat1622float2(k2[1]);
-        k[0] = a.x, k[1] = a.y, k[2] = c.x, k[3] = c.y;
-        a = __bfloat1622float2(v2[0]), c = __bfloat1622float2(v2[1]);
-        v[0] = a.x, v[1] = a.y, v[2] = c.x, v[3] = c.y;
-#pragma unroll
-        for (int g = 0; g < kMaxGroup; g++) {
-            if (g >= G) break;
-            float s = 0.f;
-#pragma unroll
-            for (int j = 0; j < kDimsPerLane; j++) s = fmaf(q[g][j], k[j], s);
-            s = warp_sum(s);
-            float m_new = fmaxf(m[g], s), corr = __expf(m[g] - m_new), e = __expf(s - m_new);
-            l[g] = l[g] * corr + e;
-#pragma unroll
-            for (int j = 0; j < kDimsPerLane; j++) acc[g][j] = fmaf(acc[g][j], corr, e * v[j]);
-            m[g] = m_new;
-        }
-    }
-    // Merge the warps: each writes its state, then thread t owns (head g, dim d) pairs.
-    float *st = reinterpret_cast<float *>(smem);  // [warps][group][kPartStride]
-#pragma unroll
-    for (int g = 0; g < kMaxGroup; g++) {
-        if (g >= G) break;
-        float *s = st + (warp * G + g) * kPartStride;
-#pragma unroll
-        for (int j = 0; j < kDimsPerLane; j++) s[lane * kDimsPerLane + j] = acc[g][j];
-        if (lane == 0) s[kHeadDim] = m[g], s[kHeadDim + 1] = l[g];
+    // The group's queries (bf16-exact values) as bf16; heads past G are zero.
+    for (int i = threadIdx.x; i < kMaxGroup * kHeadDim; i += kThreads) {
+        const int h = i / kHeadDim, d = i % kHeadDim;
+        s.q[h][d] = __float2bfloat16(
+            h < G ? load_l2(p.q + (size_t)b * p.num_heads * kHeadDim + (kvh * G + h) * kHeadDim + d) : 0.f);
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < G * (kHeadDim + 2); i += kThreads) {
-        int g = i / (kHeadDim + 2), d = i % (kHeadDim + 2);
-        float mx = -INFINITY;
-        for (int w = 0; w < kWarps; w++) mx = fmaxf(mx, st[(w * G + g) * kPartStride + kHeadDim]);
-        float out = d == kHeadDim ? mx : 0.f;
-        if (d != kHeadDim)
-            for (int w = 0; w < kWarps; w++) {
-                const float *s = st + (w * G + g) * kPartStride;
-                if (s[kHeadDim] != -INFINITY) out += s[d] * __expf(s[kHeadDim] - mx);
-            }
-        part_of(p, b, kvh, split, g)[d] = out;
-    }
-}
+    uint4 qa[kHeadDim / 32];  // lane's A fragments: head g, dims 32j + 8t .. + 7
+#pragma unroll
+    for (int j = 0; j < kHeadDim / 32; j++) qa[j] = *reinterpret_cast<const uint4 *>(&s.q[g][32 * j + 8 * t]);
 
-__device__ void run_combine(const Params &p, int layer, int b, int kvh, int splits) {
-    (void)layer;
-    const int G = p.num_heads / p.num_kv_heads;
-    for (int i = threadIdx.x; i < G * kHeadDim; i += kThreads) {
-        int g = i / kHeadDim, d = i % kHeadDim;
-        float mx = -INFINITY;
-        for (int s = 0; s < splits; s++) mx = fmaxf(mx, load_l2(part_of(p, b, kvh, s, g) + kHeadDim));
-        float num = 0.f, den = 0.f;
-        for (int s = 0; s < splits; s++) {
-            const float *ps = part_of(p, b, kvh, s, g);
-            float ms = load_l2(ps + kHeadDim);
-            if (ms == -INFINITY) continue;
-            float w = __expf(ms - mx);
-            num += load_l2(ps + d) * w;
-            den += load_l2(ps + kHeadDim + 1) * w;
+    float m = -INFINITY, l = 0.f;  // head g's running max and sum (the same in the 4 lanes of g)
+    float acc[kMaxGroup][4];       // head h, dims 4 * lane .. + 3
+#pragma unroll
+    for (int h = 0; h < kMaxGroup; h++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) acc[h][i] = 0.f;
+
+    const int base = key0 / 16 * 16;
+    for (int kc = base + 16 * warp; kc < key1; kc += 16 * kWarps) {
+        const bf16 *kp = L.kv + kv_page(p, L.group, b, kc) * L.page_stride +
+                         ((size_t)kvh * kPage + kc % kPage) * kHeadDim;
+        const bf16 *vp = kp + (size_t)p.num_kv_heads * kPage * kHeadDim;
+        uint4 kr[2][kHeadDim / 32];
+        uint2 vr[16];
+#pragma unroll
+        for (int n = 0; n < 2; n++)
+#pragma unroll
+            for (int j = 0; j < kHeadDim / 32; j++)
+                kr[n][j] = load_l2(reinterpret_cast<const uint4 *>(kp + (8 * n + g) * kHeadDim + 32 * j + 8 * t));
+#pragma unroll
+        for (int j = 0; j < 16; j++) vr[j] = load_l2(reinterpret_cast<const uint2 *>(vp + j * kHeadDim + 4 * lane));
+        // sc[n]: scores of head g for keys kc + 8n + 2t, + 1 (c[2], c[3]: the zero heads 8..15)
+        float sc[2][4];
+#pragma unroll
+        for (int n = 0; n < 2; n++) {
+            sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.f;
+#pragma unroll
+            for (int j = 0; j < kHeadDim / 32; j++) {
+                mma_bf16(sc[n], qa[j].x, 0u, qa[j].y, 0u, kr[n][j].x, kr[n][j].y);
+                mma_bf16(sc[n], qa[j].z, 0u, qa[j].w, 0u, kr[n][j].z, kr[n][j].w);
+            }
         }
-        p.attn[(size_t)b * p.num_heads * kHeadDim + (kvh * G + g) * kHeadDim + d] = __float2bfloat16(num / den);
+        float v4[4], mx = -INFINITY;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int key = kc + 8 * (i >> 1) + 2 * t + (i & 1);
+            v4[i] = key >= key0 && key < key1 ? sc[i >> 1][i & 1] * scale : -INFINITY;
+            mx = fmaxf(mx, v4[i]);
+        }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(m, mx);  // finite: every chunk has a live key
+        const float corr = __expf(m - m_new);
+        float sum = 0.f;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const float e = __expf(v4[i] - m_new);
+            s.p[warp][8 * (i >> 1) + 2 * t + (i & 1)][g] = e;
+            sum += e;
+        }
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        l = l * corr + sum, m = m_new;
+        if (t == 0) s.corr[warp][g] = corr;
+        __syncwarp();
+#pragma unroll
+        for (int h = 0; h < kMaxGroup; h++) {
+            const float c = s.corr[warp][h];
+#pragma unroll
+            for (int i = 0; i < 4; i++) acc[h][i] *= c;
+        }
+#pragma unroll
+        for (int j = 0; j < 16; j++) {
+            if (kc + j < key0 || kc + j >= key1) continue;  // the same for the whole warp; V there may be garbage
+            const __nv_bfloat162 *v2 = reinterpret_cast<const __nv_bfloat162 *>(&vr[j]);
+            const float2 va = __bfloat1622float2(v2[0]), vb = __bfloat1622float2(v2[1]);
+            const float4 pa = *reinterpret_cast<const float4 *>(&s.p[warp][j][0]);
+            const float4 pb = *reinterpret_cast<const float4 *>(&s.p[warp][j][4]);
+            const float pj[8] = {pa.x, pa.y, pa.z, pa.w, pb.x, pb.y, pb.z, pb.w};
+#pragma unroll
+            for (int h = 0; h < kMaxGroup; h++) {
+                acc[h][0] = fmaf(pj[h], va.x, acc[h][0]);
+                acc[h][1] = fmaf(pj[h], va.y, acc[h][1]);
+                acc[h][2] = fmaf(pj[h], vb.x, acc[h][2]);
+                acc[h][3] = fmaf(pj[h], vb.y, acc[h][3]);
+            }
+        }
+        __syncwarp();
     }
+    // Merge the warps into this split's partial.
+    if (t == 0) s.m[warp][g] = m, s.l[warp][g] = l;
+#pragma unroll
+    for (int h = 0; h < kMaxGroup; h++)
+        *reinterpret_cast<float4 *>(&s.acc[warp][h][4 * lane]) = make_float4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]);
+    __syncthreads();
+    for (int i = threadIdx.x; i < G * kHeadDim; i += kThreads) {
+        const int h = i / kHeadDim, d = i % kHeadDim;
+        float mx = -INFINITY;
+        for (int w = 0; w < kWarps; w++) mx = fmaxf(mx, s.m[w][h]);
+        float num = 0.f, den = 0.f;
+        if (mx != -INFINITY)
+            for (int w = 0; w < kWarps; w++) {
+                if (s.m[w][h] == -INFINITY) continue;
+                const float e = __expf(s.m[w][h] - mx);
+                num += s.acc[w][h][d] * e, den += s.l[w][h] * e;
+            }
+        float *out = part_of(p, b, kvh, split, h);
+        out[d] = num;
+        if (d == 0) out[kHeadDim] = mx, out[kHeadDim + 1] = den;
+    }
+    // The pair's last split to finish merges them all.
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        uint32_t *ticket = p.attn_ticket + b * p.num_kv_heads + kvh;
+        s.last = atomicAdd(ticket, 1u) == (uint32_t)splits - 1;
+        if (s.last) *ticket = 0, __threadfence();
+    }
+    __syncthreads();
+    if (s.last) merge_splits(p, s, b, kvh, splits);
 }
 
 }  // namespace nmk::mk

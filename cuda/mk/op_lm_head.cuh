@@ -12,35 +12,31 @@ __device__ __forceinline__ bool better(float v, int i, float bv, int bi) { retur
 template <int B>
 __device__ void run_lm_head(const Params &p, int tile, char *smem) {
     const int H = p.hidden, rows = p.plan.lm_rows, r0 = tile * rows, n = min(rows, p.vocab - r0);
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    bf16 *in = reinterpret_cast<bf16 *>(smem);
-    float *best = reinterpret_cast<float *>(smem + B * H * sizeof(bf16));  // [warps][B]
-    int *best_i = reinterpret_cast<int *>(best + kWarps * B);
-    stage_bf16(in, p.h, B, H, H);
-    __syncthreads();
-    float bv[B];
-    int bi[B];
-#pragma unroll
-    for (int b = 0; b < B; b++) bv[b] = -INFINITY, bi[b] = p.vocab;
-    gemv_rows<B>(p.embed + (size_t)r0 * H, H, n, in, H, [&](int r, const float *acc) {
-#pragma unroll
-        for (int b = 0; b < B; b++) {
-            float logit = round_bf16(acc[b]) * p.logit_scale;
-            if (lane == 0) p.logits[(size_t)b * p.vocab + r0 + r] = logit;
-            if (better(logit, r0 + r, bv[b], bi[b])) bv[b] = logit, bi[b] = r0 + r;
-        }
-    });
-    if (lane == 0)
-        for (int b = 0; b < B; b++) best[warp * B + b] = bv[b], best_i[warp * B + b] = bi[b];
+    GemvSmem s(smem, H, rows);
+    float *best = reinterpret_cast<float *>(s.extra + 64);  // [threads]: each thread's best of its row
+    int *best_i = reinterpret_cast<int *>(best + kThreads);
+    stage_normed(s.in, p, p.final_norm, B, reinterpret_cast<float *>(s.extra));
+    const bf16 *W = p.embed + (size_t)r0 * H;
+    gemv([&](int r) { return W + (size_t)r * H; }, n, s.in, H, s.out, s.red);
+    // Thread i < stride takes (vocab row, batch row b = i % B) pairs i, i + stride, ...
+    const int b = threadIdx.x % B, stride = kThreads - kThreads % B;
+    float bv = -INFINITY;
+    int bi = p.vocab;
+    for (int i = threadIdx.x; threadIdx.x < stride && i < n * B; i += stride) {
+        const int r = i / B;
+        const float logit = round_bf16(s.out[r * 8 + b]) * p.logit_scale;
+        p.logits[(size_t)b * p.vocab + r0 + r] = logit;
+        if (better(logit, r0 + r, bv, bi)) bv = logit, bi = r0 + r;
+    }
+    best[threadIdx.x] = bv, best_i[threadIdx.x] = bi;
     __syncthreads();
     if (threadIdx.x < B) {
-        int b = threadIdx.x;
         float v = -INFINITY;
         int i = p.vocab;
-        for (int w = 0; w < kWarps; w++)
-            if (better(best[w * B + b], best_i[w * B + b], v, i)) v = best[w * B + b], i = best_i[w * B + b];
-        p.lm_best[b * p.plan.lm_tiles + tile] = v;
-        p.lm_best_index[b * p.plan.lm_tiles + tile] = i;
+        for (int t = threadIdx.x; t < stride; t += B)
+            if (better(best[t], best_i[t], v, i)) v = best[t], i = best_i[t];
+        p.lm_best[threadIdx.x * p.plan.lm_tiles + tile] = v;
+        p.lm_best_index[threadIdx.x * p.plan.lm_tiles + tile] = i;
     }
 }
 

@@ -2,7 +2,7 @@
 // A slot is one distinct routed expert (sparse layers) or the dense MLP (slot 0).
 #pragma once
 
-#include "common.cuh"
+#include "op_router.cuh"
 
 namespace nmk::mk {
 
@@ -11,58 +11,72 @@ struct SlotWeights {
     int inter;
 };
 
-// Weights of slot y this step; gate_up is null when no row routed to the slot.
-__device__ __forceinline__ SlotWeights slot_weights(const Params &p, const Layer &L, int y) {
-    if (L.dense) return {L.gate_up, L.down, p.dense_inter};
-    int e = load_l2(p.slot_expert + y);
+__device__ __forceinline__ SlotWeights expert_weights(const Params &p, const Layer &L, int e) {
     if (e < 0) return {nullptr, nullptr, p.moe_inter};
-    size_t per = (size_t)2 * p.moe_inter * p.hidden;
+    const size_t per = (size_t)2 * p.moe_inter * p.hidden;
     return {L.experts_gate_up + e * per, L.experts_down + e * per / 2, p.moe_inter};
 }
 
 __device__ __forceinline__ int act_stride(const Params &p) { return max(p.moe_inter, p.dense_inter); }
 
+// Sparse layers: every task routes (route()); task x = 0 of slot y publishes the slot's
+// expert and rows for DOWN, and task (0, 0) the rows' weights for the next NORM.
 template <int B>
 __device__ void run_gate_up(const Params &p, int layer, int tile, int y, char *smem) {
     const Layer &L = p.layers[layer];
-    SlotWeights w = slot_weights(p, L, y);
-    if (!w.gate_up) return;
     const int H = p.hidden, cols = L.dense ? p.plan.dense_cols : p.plan.moe_cols;
-    const int c0 = tile * cols, n = min(cols, w.inter - c0);
-    bf16 *in = reinterpret_cast<bf16 *>(smem);
-    stage_bf16(in, p.h, B, H, H);
-    __syncthreads();
+    GemvSmem s(smem, H, 2 * cols);
+    SlotWeights w{L.gate_up, L.down, p.dense_inter};
+    if (!L.dense) {
+        Routing &r = *reinterpret_cast<Routing *>(s.extra + 64);
+        route<B>(p, r);
+        const int e = y < r.slots ? r.slot_expert[y] : -1;
+        if (tile == 0 && threadIdx.x < B) {
+            const int b = threadIdx.x;
+            if (threadIdx.x == 0) p.slot_expert[y] = e;
+            p.slot_k[y * B + b] = e < 0 ? -1 : r.k_of[b][e];
+            if (y == 0)
+                for (int f = 0; f < p.num_experts; f++) {
+                    const int k = r.k_of[b][f];
+                    if (k < 0) continue;
+                    p.topk_weight[b * p.top_k + k] = round_bf16(1.f / (1.f + expf(-r.logit[b][f])));
+                    if (p.debug_experts) p.debug_experts[((size_t)layer * NMK_MK_MAX_BATCH + b) * p.top_k + k] = f;
+                }
+        }
+        w = expert_weights(p, L, e);
+        if (!w.gate_up) return;
+    }
+    const int c0 = tile * cols, n = min(cols, w.inter - c0);  // a multiple of 16
+    stage_normed(s.in, p, L.norm, B, reinterpret_cast<float *>(s.extra));
+    const bf16 *gate = w.gate_up + (size_t)c0 * H, *up = w.gate_up + (size_t)(w.inter + c0) * H;
+    gemv([&](int r) { return r < n ? gate + (size_t)r * H : up + (size_t)(r - n) * H; }, 2 * n, s.in, H, s.out, s.red);
     bf16 *act = p.act + (size_t)y * NMK_MK_MAX_BATCH * act_stride(p);
-    for (int c = threadIdx.x >> 5; c < n; c += kWarps) {
-        const bf16 *rows[2] = {w.gate_up + (size_t)(c0 + c) * H, w.gate_up + (size_t)(w.inter + c0 + c) * H};
-        float gu[2][B];  // gate, up
-        rows_dot<B, 2>(rows, in, H, gu);
-        if ((threadIdx.x & 31) == 0)
-            for (int b = 0; b < B; b++) {
-                float gb = round_bf16(gu[0][b]);
-                float silu = round_bf16(gb / (1.f + expf(-gb)));
-                act[b * act_stride(p) + c0 + c] = __float2bfloat16(silu * round_bf16(gu[1][b]));
-            }
+    for (int i = threadIdx.x; i < n * B; i += kThreads) {
+        const int c = i / B, b = i % B;
+        const float g = round_bf16(s.out[c * 8 + b]), silu = round_bf16(g / (1.f + expf(-g)));
+        act[b * act_stride(p) + c0 + c] = __float2bfloat16(silu * round_bf16(s.out[(n + c) * 8 + b]));
     }
 }
 
 template <int B>
 __device__ void run_down(const Params &p, int layer, int tile, int y, char *smem) {
     const Layer &L = p.layers[layer];
-    SlotWeights w = slot_weights(p, L, y);
+    const SlotWeights w = L.dense ? SlotWeights{L.gate_up, L.down, p.dense_inter}
+                                  : expert_weights(p, L, load_l2(p.slot_expert + y));
     if (!w.down) return;
     const int rows = L.dense ? p.plan.dense_down_rows : p.plan.moe_down_rows;
     const int r0 = tile * rows, n = min(rows, p.hidden - r0);
-    bf16 *in = reinterpret_cast<bf16 *>(smem);
-    int *ks = reinterpret_cast<int *>(smem + B * w.inter * sizeof(bf16));
-    stage_bf16(in, p.act + (size_t)y * NMK_MK_MAX_BATCH * act_stride(p), B, w.inter, act_stride(p));
+    GemvSmem s(smem, w.inter, rows);
+    int *ks = reinterpret_cast<int *>(s.extra);
+    stage_bf16(s.in, p.act + (size_t)y * NMK_MK_MAX_BATCH * act_stride(p), B, w.inter, act_stride(p));
     if (threadIdx.x < B) ks[threadIdx.x] = L.dense ? 0 : load_l2(p.slot_k + y * B + threadIdx.x);
     __syncthreads();
-    gemv_rows<B>(w.down + (size_t)r0 * w.inter, w.inter, n, in, w.inter, [&](int r, const float *acc) {
-        if ((threadIdx.x & 31) == 0)
-            for (int b = 0; b < B; b++)
-                if (ks[b] >= 0) p.mlp[((size_t)b * p.top_k + ks[b]) * p.hidden + r0 + r] = round_bf16(acc[b]);
-    });
+    const bf16 *W = w.down + (size_t)r0 * w.inter;
+    gemv([&](int r) { return W + (size_t)r * w.inter; }, n, s.in, w.inter, s.out, s.red);
+    for (int i = threadIdx.x; i < n * B; i += kThreads) {
+        const int r = i / B, b = i % B;
+        if (ks[b] >= 0) p.mlp[((size_t)b * p.top_k + ks[b]) * p.hidden + r0 + r] = round_bf16(s.out[r * 8 + b]);
+    }
 }
 
 }  // namespace nmk::mk

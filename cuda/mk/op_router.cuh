@@ -1,81 +1,81 @@
-// NMK_OP_ROUTER: router logits (bf16, as the reference rounds them), top-k by raw logit,
-// weight = sigmoid(logit) with no renormalization, picks in ascending expert id; then one
-// mlp slot per distinct expert.
+// NMK_OP_ROUTER, tile x: router rows [x * router_rows, ...) -> router_logits (rounded to
+// bf16 as the reference rounds them). The routing itself (top-k by raw logit, ties to the
+// lower id, weight = sigmoid(logit) with no renormalization, picks in ascending expert id,
+// one mlp slot per distinct expert) is computed by every GATE_UP task of the layer from
+// those logits (route()), so no single SM sits between the router and the experts.
 #pragma once
 
 #include "common.cuh"
 
 namespace nmk::mk {
 
-// Orders one row's picks by ascending expert id, the order the reference sums experts in.
-__device__ __forceinline__ void sort_picks(int *ids, float *logits, int K) {
-    for (int i = 1; i < K; i++)
-        for (int j = i; j > 0 && ids[j - 1] > ids[j]; j--) {
-            int t = ids[j];
-            ids[j] = ids[j - 1], ids[j - 1] = t;
-            float v = logits[j];
-            logits[j] = logits[j - 1], logits[j - 1] = v;
-        }
+template <int B>
+__device__ void run_router(const Params &p, int layer, int tile, char *smem) {
+    const int H = p.hidden, E = p.num_experts, r0 = tile * p.plan.router_rows;
+    const int n = min(p.plan.router_rows, E - r0);
+    GemvSmem s(smem, H, p.plan.router_rows);
+    stage_normed(s.in, p, p.layers[layer].norm, B, reinterpret_cast<float *>(s.extra));
+    const bf16 *W = p.layers[layer].router + (size_t)r0 * H;
+    gemv([&](int r) { return W + (size_t)r * H; }, n, s.in, H, s.out, s.red);
+    for (int i = threadIdx.x; i < n * B; i += kThreads)
+        p.router_logits[(i % B) * E + r0 + i / B] = round_bf16(s.out[(i / B) * 8 + i % B]);
 }
 
+// The layer's routing, in shared memory.
+struct Routing {
+    float logit[NMK_MK_MAX_BATCH][128];
+    uint8_t picked[NMK_MK_MAX_BATCH][128];
+    int8_t k_of[NMK_MK_MAX_BATCH][128];  // index of expert e in row b's ascending picks, -1: not picked
+    int16_t slot_expert[128];            // the distinct picked experts in ascending id
+    int warp_count[kWarps];
+    int slots;                           // how many there are
+};
+
+// Computes the routing of this step's sparse layer from router_logits. Ends with a barrier.
 template <int B>
-__device__ void run_router(const Params &p, int layer, char *smem) {
-    const int H = p.hidden, E = p.num_experts, K = p.top_k;
-    bf16 *in = reinterpret_cast<bf16 *>(smem);
-    float *logits = reinterpret_cast<float *>(smem + B * H * sizeof(bf16));  // [B][E]
-    int *picked = reinterpret_cast<int *>(logits + B * E);                  // [B][K] expert ids
-    float *weights = reinterpret_cast<float *>(picked + B * K);             // [B][K] their logits
-    stage_bf16(in, p.h, B, H, H);
+__device__ void route(const Params &p, Routing &r) {
+    const int E = p.num_experts, K = p.top_k, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const unsigned below = (1u << lane) - 1;
+    for (int i = threadIdx.x; i < B * E; i += kThreads) r.logit[i / E][i % E] = load_l2(p.router_logits + i);
     __syncthreads();
-    gemv_rows<B>(p.layers[layer].router, H, E, in, H, [&](int e, const float *acc) {
-        if ((threadIdx.x & 31) == 0)
-            for (int b = 0; b < B; b++) logits[b * E + e] = round_bf16(acc[b]);
-    });
-    __syncthreads();
-    // Warp b picks row b's top-k: k rounds of a warp argmax (ties: lower expert id).
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    if (warp < B) {
-        float *row = logits + warp * E;
-        int *ids = picked + warp * K;
-        for (int k = 0; k < K; k++) {
-            float best = -INFINITY;
-            int arg = E;
-            for (int e = lane; e < E; e += 32)
-                if (row[e] > best || (row[e] == best && e < arg)) best = row[e], arg = e;
-            for (int o = 16; o; o >>= 1) {
-                float ob = __shfl_xor_sync(0xffffffffu, best, o);
-                int oa = __shfl_xor_sync(0xffffffffu, arg, o);
-                if (ob > best || (ob == best && oa < arg)) best = ob, arg = oa;
-            }
-            if (lane == 0) ids[k] = arg, weights[warp * K + k] = best;
-            __syncwarp();
-            if (lane == 0) row[arg] = -INFINITY;
-            __syncwarp();
+    // Row b picks expert e when fewer than K experts beat it (a larger logit, or equal and a lower id).
+    for (int i = threadIdx.x; i < B * 128; i += kThreads) {
+        const int b = i / 128, e = i % 128;
+        int rank = K;
+        if (e < E) {
+            const float v = r.logit[b][e];
+            rank = 0;
+            for (int f = 0; f < E; f++) rank += r.logit[b][f] > v || (r.logit[b][f] == v && f < e);
         }
-        if (lane == 0) sort_picks(ids, weights + warp * K, K);
-        __syncwarp();
-        for (int k = lane; k < K; k += 32) {
-            p.topk_weight[warp * K + k] = round_bf16(1.f / (1.f + expf(-weights[warp * K + k])));
-            if (p.debug_experts) p.debug_experts[((size_t)layer * NMK_MK_MAX_BATCH + warp) * K + k] = ids[k];
-        }
+        r.picked[b][e] = rank < K;
     }
     __syncthreads();
+    if (warp < B) {  // row `warp`: the index of each pick in ascending id
+        int base = 0;
+        for (int c = 0; c < 128; c += 32) {
+            const bool on = r.picked[warp][c + lane];
+            const unsigned mask = __ballot_sync(0xffffffffu, on);
+            r.k_of[warp][c + lane] = on ? base + __popc(mask & below) : -1;
+            base += __popc(mask);
+        }
+    }
+    bool used = false;
+    if (threadIdx.x < 128)
+        for (int b = 0; b < B; b++) used |= r.picked[b][threadIdx.x] != 0;
+    const unsigned mask = __ballot_sync(0xffffffffu, used);
+    if (lane == 0) r.warp_count[warp] = __popc(mask);
+    __syncthreads();
+    if (used) {
+        int slot = __popc(mask & below);
+        for (int w = 0; w < warp; w++) slot += r.warp_count[w];
+        r.slot_expert[slot] = threadIdx.x;
+    }
     if (threadIdx.x == 0) {
-        int slots = 0;
-        for (int e = 0; e < E; e++) {
-            int ks[NMK_MK_MAX_BATCH], used = 0;
-            for (int b = 0; b < B; b++) {
-                ks[b] = -1;
-                for (int k = 0; k < K; k++)
-                    if (picked[b * K + k] == e) ks[b] = k, used = 1;
-            }
-            if (!used) continue;
-            p.slot_expert[slots] = e;
-            for (int b = 0; b < B; b++) p.slot_k[slots * B + b] = ks[b];
-            slots++;
-        }
-        for (; slots < p.plan.expert_slots; slots++) p.slot_expert[slots] = -1;
+        int n = 0;
+        for (int w = 0; w < kWarps; w++) n += r.warp_count[w];
+        r.slots = n;
     }
+    __syncthreads();
 }
 
 }  // namespace nmk::mk

@@ -37,18 +37,42 @@ __device__ __forceinline__ void signal(uint32_t *counter) {
 template <int B>
 __device__ void run_task(const Params &p, const nmk_task &t, char *smem) {
     switch (t.op) {
-        case NMK_OP_NORM: return run_norm(p, t.layer, false, smem);
+        case NMK_OP_NORM: return run_norm(p, t.layer, false, t.x, smem);
         case NMK_OP_QKV: return run_qkv<B>(p, t.layer, t.x, smem);
-        case NMK_OP_ROUTER: return run_router<B>(p, t.layer, smem);
+        case NMK_OP_ROUTER: return run_router<B>(p, t.layer, t.x, smem);
         case NMK_OP_ATTN: return run_attention(p, t.layer, t.x, t.y, t.z & 0xff, t.z >> 8, smem);
-        case NMK_OP_COMBINE: return run_combine(p, t.layer, t.x, t.y, t.z);
         case NMK_OP_OPROJ: return run_oproj<B>(p, t.layer, t.x, smem);
         case NMK_OP_GATE_UP: return run_gate_up<B>(p, t.layer, t.x, t.y, smem);
         case NMK_OP_DOWN: return run_down<B>(p, t.layer, t.x, t.y, smem);
-        case NMK_OP_FINAL_NORM: return run_norm(p, 0, true, smem);
+        case NMK_OP_FINAL_NORM: return run_norm(p, 0, true, t.x, smem);
         case NMK_OP_LM_HEAD: return run_lm_head<B>(p, t.x, smem);
         case NMK_OP_ARGMAX: return run_argmax(p, t.x, smem);
         default: __trap();
+    }
+}
+
+// The weights a task streams whenever they do not depend on this step's routing: one TMA
+// prefetch into L2 per contiguous range, issued before the task waits for its input.
+__device__ void prefetch_task(const Params &p, const nmk_task &t) {
+    const Layer &L = p.layers[t.layer];
+    const int H = p.hidden, Q = p.num_heads * kHeadDim;
+    auto rows = [&](const bf16 *w, int K, int tile_rows, int total) {
+        const int r0 = t.x * tile_rows, n = min(tile_rows, total - r0);
+        if (n > 0) prefetch_l2(w + (size_t)r0 * K, (uint32_t)n * K * sizeof(bf16));
+    };
+    switch (t.op) {
+        case NMK_OP_QKV: return rows(L.qkv, H, p.plan.qkv_rows, Q + 2 * p.num_kv_heads * kHeadDim);
+        case NMK_OP_ROUTER: return rows(L.router, H, p.plan.router_rows, p.num_experts);
+        case NMK_OP_OPROJ: return rows(L.o, Q, p.plan.oproj_rows, H);
+        case NMK_OP_LM_HEAD: return rows(p.embed, H, p.plan.lm_rows, p.vocab);
+        case NMK_OP_GATE_UP:
+            if (!L.dense) return;
+            rows(L.gate_up, H, p.plan.dense_cols, p.dense_inter);
+            return rows(L.gate_up + (size_t)p.dense_inter * H, H, p.plan.dense_cols, p.dense_inter);
+        case NMK_OP_DOWN:
+            if (L.dense) rows(L.down, p.dense_inter, p.plan.dense_down_rows, H);
+            return;
+        default: return;
     }
 }
 
@@ -65,7 +89,10 @@ __device__ void run_list(const Params &p, char *smem) {
         const nmk_task t = p.tasks[i];
         const bool timed = p.timing && i < p.timing_capacity;
         uint64_t waited = timed ? global_ns() : 0;
-        if (t.wait >= 0) wait_for(p.counters + t.wait, t.target);
+        if (t.wait >= 0) {
+            if (threadIdx.x == 0) prefetch_task(p, t);
+            wait_for(p.counters + t.wait, t.target);
+        }
         uint64_t started = timed ? global_ns() : 0;
         run_task<B>(p, t, smem);
         if (t.signal >= 0) signal(p.counters + t.signal);

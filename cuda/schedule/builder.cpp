@@ -9,11 +9,11 @@ namespace {
 
 int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
-// Units per tile so that `units` spread over about `tasks` tiles; multiples of 8 (one
-// row per warp of a 256-thread CTA), at most max_tile.
+// Units per tile so that `units` spread over about `tasks` tiles; multiples of kTile, at
+// most max_tile.
 int tile_for(int units, int tasks, int max_tile) {
-    int tile = ceil_div(ceil_div(units, tasks), 8) * 8;
-    return std::clamp(tile, 8, max_tile);
+    int tile = ceil_div(ceil_div(units, tasks), kTile) * kTile;
+    return std::clamp(tile, kTile, max_tile);
 }
 
 void require(bool ok, const std::string &what) {
@@ -59,13 +59,14 @@ int pages_per_split(const Geometry &g, int num_sms, const std::vector<int> &lens
 int add_layer(Builder &b, int l, int prev_done, const std::vector<int> &lens, int num_sms) {
     const Geometry &g = b.g;
     const nmk_plan &p = b.s.plan;
-    int normed = b.counter(), qkv = b.counter(), attn = b.counter(), combined = b.counter();
+    int normed = b.counter(), qkv = b.counter(), attn = b.counter();
     int routed = g.dense[l] ? normed : b.counter();
     int done = b.counter();
 
-    b.add(NMK_OP_NORM, l, 0, 0, 0, prev_done, normed);
+    for (int x = 0; x < p.norm_tiles; x++) b.add(NMK_OP_NORM, l, x, 0, 0, prev_done, normed);
     for (int x = 0; x < qkv_tiles(g, p); x++) b.add(NMK_OP_QKV, l, x, 0, 0, normed, qkv);
-    if (!g.dense[l]) b.add(NMK_OP_ROUTER, l, 0, 0, 0, normed, routed);
+    if (!g.dense[l])
+        for (int x = 0; x < p.router_tiles; x++) b.add(NMK_OP_ROUTER, l, x, 0, 0, normed, routed);
 
     std::vector<int> slot_ready;
     for (int y = 0; y < mlp_slots(g, p, l); y++) {
@@ -73,17 +74,14 @@ int add_layer(Builder &b, int l, int prev_done, const std::vector<int> &lens, in
         for (int x = 0; x < gate_up_tiles(g, p, l); x++) b.add(NMK_OP_GATE_UP, l, x, y, 0, routed, slot_ready[y]);
     }
     int pps = pages_per_split(g, num_sms, lens, l);
-    std::vector<int> splits(p.batch);
     for (int r = 0; r < p.batch; r++) {
-        int n = splits[r] = splits_for(keys_seen(g, l, lens[r]), g.page_size, pps);
+        int n = splits_for(keys_seen(g, l, lens[r]), g.page_size, pps);
         for (int h = 0; h < g.num_kv_heads; h++)
             for (int z = 0; z < n; z++) b.add(NMK_OP_ATTN, l, r, h, z | (n << 8), qkv, attn);
     }
     for (int y = 0; y < mlp_slots(g, p, l); y++)
         for (int x = 0; x < down_tiles(g, p, l); x++) b.add(NMK_OP_DOWN, l, x, y, 0, slot_ready[y], done);
-    for (int r = 0; r < p.batch; r++)
-        for (int h = 0; h < g.num_kv_heads; h++) b.add(NMK_OP_COMBINE, l, r, h, splits[r], attn, combined);
-    for (int x = 0; x < oproj_tiles(g, p); x++) b.add(NMK_OP_OPROJ, l, x, 0, 0, combined, done);
+    for (int x = 0; x < oproj_tiles(g, p); x++) b.add(NMK_OP_OPROJ, l, x, 0, 0, attn, done);
     return done;
 }
 
@@ -91,14 +89,17 @@ nmk_plan make_plan(const Geometry &g, int num_sms, const std::vector<int> &lens)
     nmk_plan p{};
     p.batch = static_cast<int>(lens.size());
     p.expert_slots = std::min(p.batch * g.top_k, g.num_experts);
-    int qkv_rows = (g.num_heads + 2 * g.num_kv_heads) * g.head_dim;
-    p.qkv_rows = tile_for(qkv_rows, num_sms, 128);
-    p.oproj_rows = tile_for(g.hidden, num_sms, 128);
-    p.moe_cols = tile_for(p.expert_slots * g.moe_inter, num_sms, 128);
-    p.moe_down_rows = tile_for(p.expert_slots * g.hidden, num_sms, 256);
-    p.dense_cols = tile_for(g.dense_inter, num_sms, 128);
-    p.dense_down_rows = tile_for(g.hidden, num_sms, 128);
-    p.lm_rows = tile_for(g.vocab, 4 * num_sms, 512);
+    p.norm_cols = kNormCols;
+    p.norm_tiles = g.hidden / kNormCols;
+    p.qkv_rows = tile_for((g.num_heads + 2 * g.num_kv_heads) * g.head_dim, num_sms, kMaxQkvRows);
+    p.router_rows = kRouterRows;
+    p.router_tiles = ceil_div(g.num_experts, kRouterRows);
+    p.oproj_rows = tile_for(g.hidden, num_sms, kMaxOprojRows);
+    p.moe_cols = tile_for(p.expert_slots * g.moe_inter, num_sms, kMaxCols);
+    p.moe_down_rows = tile_for(p.expert_slots * g.hidden, num_sms, kMaxMoeDownRows);
+    p.dense_cols = tile_for(g.dense_inter, num_sms, kMaxCols);
+    p.dense_down_rows = tile_for(g.hidden, num_sms, kMaxDenseDownRows);
+    p.lm_rows = tile_for(g.vocab, 4 * num_sms, kMaxLmRows);
     p.lm_tiles = ceil_div(g.vocab, p.lm_rows);
     return p;
 }
@@ -108,13 +109,19 @@ nmk_plan make_plan(const Geometry &g, int num_sms, const std::vector<int> &lens)
 void Geometry::validate() const {
     require(hidden > 0 && hidden % 256 == 0, "hidden_size must be a positive multiple of 256");
     require(num_layers > 0 && num_layers <= 255, "num_layers must be in [1, 255]");
-    require(num_kv_heads > 0 && num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+    require(num_heads > 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0,
+            "num_heads must be a positive multiple of num_kv_heads");
     require(head_dim == 128, "head_dim must be 128");
     require(num_heads / num_kv_heads <= 8, "at most 8 query heads per kv head");
     require(num_experts > 0 && num_experts <= 128 && top_k > 0 && top_k <= 8 && top_k <= num_experts,
             "need 1 <= top_k <= 8 and top_k <= num_experts <= 128");
-    require(moe_inter > 0 && moe_inter % 8 == 0, "intermediate_size must be a positive multiple of 8");
-    require(dense_inter > 0 && dense_inter % 8 == 0, "dense intermediate size must be a positive multiple of 8");
+    require(moe_inter > 0 && moe_inter % 32 == 0, "intermediate_size must be a positive multiple of 32");
+    require(dense_inter > 0 && dense_inter % 32 == 0, "dense intermediate size must be a positive multiple of 32");
+    require(num_heads * head_dim <= kMaxGemvInput,
+            "num_heads * head_dim must be at most 4096 (the widest GEMV input the megakernel stages)");
+    require(hidden <= kMaxGemvInput && moe_inter <= kMaxGemvInput && dense_inter <= kMaxGemvInput,
+            "hidden_size and the intermediate sizes must be at most 4096 (the widest GEMV input the megakernel "
+            "stages)");
     require(vocab > 0, "vocab_size must be positive");
     require(page_size == 64, "page_size must be 64");
     require(static_cast<int>(dense.size()) == num_layers && static_cast<int>(sliding.size()) == num_layers,
@@ -178,7 +185,7 @@ Schedule build(const Geometry &g, int num_sms, const std::vector<int> &context_l
     int done = -1;
     for (int l = 0; l < g.num_layers; l++) done = add_layer(b, l, done, context_lens, num_sms);
     int normed = b.counter(), logits = b.counter();
-    b.add(NMK_OP_FINAL_NORM, 0, 0, 0, 0, done, normed);
+    for (int x = 0; x < b.s.plan.norm_tiles; x++) b.add(NMK_OP_FINAL_NORM, 0, x, 0, 0, done, normed);
     for (int x = 0; x < b.s.plan.lm_tiles; x++) b.add(NMK_OP_LM_HEAD, 0, x, 0, 0, normed, logits);
     for (int r = 0; r < batch; r++) b.add(NMK_OP_ARGMAX, 0, r, 0, 0, logits, -1);
 

@@ -1,4 +1,5 @@
 // Proves a schedule safe to run on the megakernel (see check() in schedule.hpp).
+#include <algorithm>
 #include <map>
 #include <set>
 #include <sstream>
@@ -10,24 +11,24 @@
 namespace nmk::schedule {
 namespace {
 
-// Buffers of the step that stages share; each stage's reads and writes.
-enum Buffer : unsigned { X = 1, H = 2, Q = 4, PART = 8, ATTN = 16, O = 32, ROUTE = 64, ACT = 128, MLP = 256,
-                         LOGITS = 512, TOKENS = 1024 };
+// Buffers of the step that stages share; each stage's reads and writes. SS: the NORM
+// tiles' partial sums of squares, from which every reader of the normed input normalizes x.
+enum Buffer : unsigned { X = 1, SS = 2, Q = 4, PART = 8, ATTN = 16, O = 32, RLOGITS = 64, ROUTE = 128, ACT = 256,
+                         MLP = 512, LOGITS = 1024, TOKENS = 2048 };
 struct Access {
     unsigned reads, writes;
 };
-Access access_of(uint8_t op) {
+Access access_of(uint8_t op, bool dense) {
     switch (op) {
-        case NMK_OP_NORM: return {X | O | MLP | ROUTE, X | H};
-        case NMK_OP_QKV: return {H, Q};
-        case NMK_OP_ROUTER: return {H, ROUTE};
-        case NMK_OP_ATTN: return {Q, PART};
-        case NMK_OP_COMBINE: return {PART, ATTN};
+        case NMK_OP_NORM: return {X | O | MLP | ROUTE, X | SS};
+        case NMK_OP_QKV: return {X | SS, Q};
+        case NMK_OP_ROUTER: return {X | SS, RLOGITS};
+        case NMK_OP_ATTN: return {Q, PART | ATTN};
         case NMK_OP_OPROJ: return {ATTN, O};
-        case NMK_OP_GATE_UP: return {H | ROUTE, ACT};
+        case NMK_OP_GATE_UP: return dense ? Access{X | SS, ACT} : Access{X | SS | RLOGITS, ACT | ROUTE};
         case NMK_OP_DOWN: return {ACT | ROUTE, MLP};
-        case NMK_OP_FINAL_NORM: return {X | O | MLP | ROUTE, X | H};
-        case NMK_OP_LM_HEAD: return {H, LOGITS};
+        case NMK_OP_FINAL_NORM: return {X | O | MLP | ROUTE, X | SS};
+        case NMK_OP_LM_HEAD: return {X | SS, LOGITS};
         case NMK_OP_ARGMAX: return {LOGITS, TOKENS};
         default: return {0, 0};
     }
@@ -59,15 +60,14 @@ Expected expected_tasks(const Geometry &g, const nmk_plan &p, const std::map<Key
         need(NMK_OP_NORM, l, l ? std::vector<Stage>{prev_o, prev_down} : std::vector<Stage>{});
         need(NMK_OP_QKV, l, {{NMK_OP_NORM, l}});
         need(NMK_OP_ATTN, l, {{NMK_OP_QKV, l}});
-        need(NMK_OP_COMBINE, l, {{NMK_OP_ATTN, l}});
-        need(NMK_OP_OPROJ, l, {{NMK_OP_COMBINE, l}});
+        need(NMK_OP_OPROJ, l, {{NMK_OP_ATTN, l}});  // after every split, so after every merge
         need(NMK_OP_GATE_UP, l, {{g.dense[l] ? NMK_OP_NORM : NMK_OP_ROUTER, l}});
         need(NMK_OP_DOWN, l, {{NMK_OP_GATE_UP, l}});
-        e.tasks.insert({NMK_OP_NORM, l, 0, 0, 0});
+        for (int x = 0; x < p.norm_tiles; x++) e.tasks.insert({NMK_OP_NORM, l, x, 0, 0});
         for (int x = 0; x < qkv_tiles(g, p); x++) e.tasks.insert({NMK_OP_QKV, l, x, 0, 0});
         if (!g.dense[l]) {
             need(NMK_OP_ROUTER, l, {{NMK_OP_NORM, l}});
-            e.tasks.insert({NMK_OP_ROUTER, l, 0, 0, 0});
+            for (int x = 0; x < p.router_tiles; x++) e.tasks.insert({NMK_OP_ROUTER, l, x, 0, 0});
         }
         for (int y = 0; y < mlp_slots(g, p, l); y++) {
             for (int x = 0; x < gate_up_tiles(g, p, l); x++) e.tasks.insert({NMK_OP_GATE_UP, l, x, y, 0});
@@ -75,9 +75,9 @@ Expected expected_tasks(const Geometry &g, const nmk_plan &p, const std::map<Key
         }
         for (int r = 0; r < p.batch; r++)
             for (int h = 0; h < g.num_kv_heads; h++) {
+                // Every split of the pair says how many there are: the last to finish merges them all.
                 auto it = attn_splits.find({NMK_OP_ATTN, l, r, h, 0});
                 int n = it == attn_splits.end() ? 1 : it->second;
-                e.tasks.insert({NMK_OP_COMBINE, l, r, h, n});  // merges exactly the splits there are
                 for (int z = 0; z < n; z++) e.tasks.insert({NMK_OP_ATTN, l, r, h, z | (n << 8)});
             }
         for (int x = 0; x < oproj_tiles(g, p); x++) e.tasks.insert({NMK_OP_OPROJ, l, x, 0, 0});
@@ -86,7 +86,7 @@ Expected expected_tasks(const Geometry &g, const nmk_plan &p, const std::map<Key
     need(NMK_OP_FINAL_NORM, 0, {{NMK_OP_OPROJ, last}, {NMK_OP_DOWN, last}});
     need(NMK_OP_LM_HEAD, 0, {{NMK_OP_FINAL_NORM, 0}});
     need(NMK_OP_ARGMAX, 0, {{NMK_OP_LM_HEAD, 0}});
-    e.tasks.insert({NMK_OP_FINAL_NORM, 0, 0, 0, 0});
+    for (int x = 0; x < p.norm_tiles; x++) e.tasks.insert({NMK_OP_FINAL_NORM, 0, x, 0, 0});
     for (int x = 0; x < p.lm_tiles; x++) e.tasks.insert({NMK_OP_LM_HEAD, 0, x, 0, 0});
     for (int r = 0; r < p.batch; r++) e.tasks.insert({NMK_OP_ARGMAX, 0, r, 0, 0});
     return e;
@@ -95,6 +95,8 @@ Expected expected_tasks(const Geometry &g, const nmk_plan &p, const std::map<Key
 void check_fields(const nmk_plan &p, const std::vector<std::vector<nmk_task>> &per_sm) {
     for (const auto &list : per_sm)
         for (const nmk_task &t : list) {
+            if (t.op == NMK_OP_COMBINE)
+                fail("retired opcode COMBINE (ATTN merges its splits since v0.3) in " + describe(t));
             if (t.op < NMK_OP_NORM || t.op >= NMK_OP_END) fail("unknown opcode in " + describe(t));
             if (t.wait < -1 || t.wait >= p.num_counters || t.signal < -1 || t.signal >= p.num_counters)
                 fail("counter out of range in " + describe(t));
@@ -165,7 +167,7 @@ void check_counters(const Expected &e, const nmk_plan &p, const std::vector<std:
 }
 
 // Two stages touching one buffer, one of them writing, must be ordered.
-void check_hazards(const std::map<Stage, std::set<Stage>> &edges, const std::set<Stage> &stages) {
+void check_hazards(const Geometry &g, const std::map<Stage, std::set<Stage>> &edges, const std::set<Stage> &stages) {
     std::map<Stage, std::set<Stage>> reach;
     for (const Stage &s : stages) {
         std::vector<Stage> todo{s};
@@ -182,7 +184,7 @@ void check_hazards(const std::map<Stage, std::set<Stage>> &edges, const std::set
     for (const Stage &a : stages)
         for (const Stage &b : stages) {
             if (!(a < b)) continue;
-            Access x = access_of(a.first), y = access_of(b.first);
+            Access x = access_of(a.first, g.dense[a.second]), y = access_of(b.first, g.dense[b.second]);
             bool conflict = (x.writes & (y.reads | y.writes)) || (y.writes & x.reads);
             if (conflict && !reach[a].count(b) && !reach[b].count(a)) {
                 std::ostringstream s;
@@ -215,10 +217,34 @@ void check_progress(const nmk_plan &p, const std::vector<std::vector<nmk_task>> 
 
 }  // namespace
 
+void check_plan(const Geometry &g, const nmk_plan &p) {
+    auto need = [](bool ok, const std::string &what) {
+        if (!ok) fail("plan: " + what);
+    };
+    need(p.batch >= 1 && p.batch <= NMK_MK_MAX_BATCH, "batch out of range");
+    need(p.max_splits >= 1 && p.max_splits <= NMK_MK_MAX_SPLITS, "max_splits out of range");
+    need(p.num_counters >= 0, "num_counters negative");
+    need(p.expert_slots == std::min(p.batch * g.top_k, g.num_experts),
+         "expert_slots must be min(batch * top_k, experts)");
+    need(p.norm_cols == kNormCols && p.norm_tiles == g.hidden / kNormCols,
+         "norm_cols must be 128 and norm_tiles hidden / 128");
+    need(p.router_rows == kRouterRows && p.router_tiles == (g.num_experts + kRouterRows - 1) / kRouterRows,
+         "router_rows must be 16 and router_tiles ceil(experts / 16)");
+    const std::tuple<const char *, int, int> tiles[] = {
+        {"qkv_rows", p.qkv_rows, kMaxQkvRows}, {"oproj_rows", p.oproj_rows, kMaxOprojRows},
+        {"moe_cols", p.moe_cols, kMaxCols}, {"moe_down_rows", p.moe_down_rows, kMaxMoeDownRows},
+        {"dense_cols", p.dense_cols, kMaxCols}, {"dense_down_rows", p.dense_down_rows, kMaxDenseDownRows},
+        {"lm_rows", p.lm_rows, kMaxLmRows}};
+    for (const auto &[name, value, most] : tiles)
+        need(value > 0 && value % kTile == 0 && value <= most,
+             std::string(name) + " must be a positive multiple of 16 up to " + std::to_string(most) + ", got " +
+                 std::to_string(value));
+    need(p.lm_tiles == (g.vocab + p.lm_rows - 1) / p.lm_rows, "lm_tiles must be ceil(vocab / lm_rows)");
+}
+
 void check(const Geometry &g, const nmk_plan &plan, const std::vector<std::vector<nmk_task>> &per_sm) {
     g.validate();
-    if (plan.batch < 1 || plan.batch > NMK_MK_MAX_BATCH) fail("plan batch out of range");
-    if (plan.max_splits < 1 || plan.max_splits > NMK_MK_MAX_SPLITS) fail("plan max_splits out of range");
+    check_plan(g, plan);
     check_fields(plan, per_sm);
     std::map<Key, int> attn_splits;
     std::set<Stage> stages;
@@ -231,7 +257,7 @@ void check(const Geometry &g, const nmk_plan &plan, const std::vector<std::vecto
     check_coverage(e, per_sm);
     std::map<Stage, std::set<Stage>> edges;
     check_counters(e, plan, per_sm, edges);
-    check_hazards(edges, stages);
+    check_hazards(g, edges, stages);
     check_progress(plan, per_sm);
 }
 

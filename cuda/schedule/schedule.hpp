@@ -1,9 +1,9 @@
 // Task schedule of one decode step: per-SM task lists and dependency counters.
 //
-// build() lays the forward pass out as stages (norm, qkv, router, attention, combine,
-// o-proj, gate_up, down per layer; then final norm, lm_head, argmax), splits each stage
-// into tiles, deals the tiles round-robin over the SMs stage by stage, and wires each
-// stage to the counter of the stage it reads. check() proves a schedule safe to run.
+// build() lays the forward pass out as stages (norm, qkv, router, gate_up, attention, down,
+// o-proj per layer; then final norm, lm_head, argmax), splits each stage into tiles, deals
+// the tiles round-robin over the SMs stage by stage, and wires each stage to the counter of
+// the stage it reads. check() proves a schedule safe to run. Semantics: v0.3 (northmk.h).
 #pragma once
 
 #include <cstdint>
@@ -14,6 +14,15 @@
 #include "northmk.h"
 
 namespace nmk::schedule {
+
+// Tiles of the kernel (v0.3): row and column tiles are multiples of kTile (tensor-core
+// tiles) up to the sizes it reserves shared memory for; GEMV inputs are staged whole.
+constexpr int kTile = 16;
+constexpr int kNormCols = 128;
+constexpr int kRouterRows = 16;
+constexpr int kMaxQkvRows = 128, kMaxOprojRows = 128, kMaxCols = 128, kMaxDenseDownRows = 128;
+constexpr int kMaxMoeDownRows = 256, kMaxLmRows = 512;
+constexpr int kMaxGemvInput = 4096;  // widest input [8, K] bf16 a GEMV stages
 
 struct Geometry {
     int hidden = 0;
@@ -48,11 +57,16 @@ struct Schedule {
 // The schedule stays valid for any step whose lengths are <= these.
 Schedule build(const Geometry &g, int num_sms, const std::vector<int> &context_lens);
 
-// Throws std::runtime_error describing the first violation: unknown opcodes or fields out
-// of range, a counter waited on whose target differs from its number of signallers, a
-// task waiting on something not strictly before it (deadlock), a stage missing a producer
-// it reads, two stages touching one buffer unordered, or a step that cannot finish.
+// Throws std::runtime_error describing the first violation: a plan check_plan refuses,
+// unknown or retired (COMBINE) opcodes or fields out of range, a counter waited on whose
+// target differs from its number of signallers, a task waiting on something not strictly
+// before it (deadlock), a stage missing a producer it reads, two stages touching one buffer
+// unordered, or a step that cannot finish.
 void check(const Geometry &g, const nmk_plan &plan, const std::vector<std::vector<nmk_task>> &per_sm);
+
+// Throws std::runtime_error when the plan's tiles do not fit the geometry, the batch or
+// the kernel's limits.
+void check_plan(const Geometry &g, const nmk_plan &plan);
 
 // Number of tiles of each stage, as build() makes them and the kernel expects them.
 int qkv_tiles(const Geometry &g, const nmk_plan &p);

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from northmk.checkpoint import synthetic_weights
-from northmk.config import PAGE_SIZE, ModelConfig
+from northmk.config import PAGE_SIZE, SLIDING, ModelConfig
 from northmk.megakernel import Megakernel, Schedule
 from northmk.megakernel_oracle import (AGREE, AGREE_LAYER, LOGIT_NOISE, clear_argmax, cosine, first_divergence,
                                       layer_report, reference_step)
@@ -89,8 +89,20 @@ def assert_matches(logits, next_tokens, trace, oracle, other):
         floor = AGREE if other is None else cosine(other[r], ref)
         cos, need = cosine(logits[r], ref), min(AGREE, floor - 1e-3)
         assert cos >= need, f"row {r}: logits cosine {cos:.5f} < {need:.5f}; first divergence: {where}"
-        if clear_argmax(ref) and (other is None or other[r].argmax() == ref.argmax()):
-            assert next_tokens[r].item() == ref.argmax().item(), f"row {r}: argmax differs"
+        # At full depth bf16 drift sets the noise: a gap within 4 sigma of the references'
+        # difference (or of the kernel's, which the cosine bound above holds to the same
+        # scale) is a tie, and the kernel's token must then be within it of the top.
+        spread = 0.0 if other is None else 4 * max((other[r] - ref).std().item(), (logits[r] - ref).std().item())
+        top2 = ref.topk(2).values
+        if clear_argmax(ref) and top2[0] - top2[1] > spread:
+            mine, best = next_tokens[r].long(), ref.argmax()
+            assert mine.item() == best.item(), (
+                f"row {r}: argmax differs: kernel token {mine.item()} (its logits' argmax {logits[r].argmax().item()}), "
+                f"reference {best.item()}; reference gap {(top2[0] - top2[1]).item():.4f} > spread {spread:.4f}; "
+                f"kernel logits there {logits[r, mine].item():.4f} / {logits[r, best].item():.4f}, "
+                f"reference {ref[mine].item():.4f} / {ref[best].item():.4f}")
+        else:
+            assert ref[next_tokens[r].long()].item() >= top2[0].item() - max(spread, LOGIT_NOISE * ref.abs().max().item())
         assert next_tokens[r].item() == logits[r].argmax().item()
 
 
@@ -198,3 +210,31 @@ def test_task_timing_covers_every_task_of_the_step():
     assert len(t) == len(schedule.tasks)
     assert sorted((t[:, 3] & 0xFF).tolist()) == sorted(schedule.tasks["op"].tolist())
     assert ((t[:, 0] <= t[:, 1]) & (t[:, 1] <= t[:, 2])).all() and t[:, 0].min() == 0
+
+
+def test_unwritten_cache_slots_never_reach_the_output():
+    """Attention reads keys in 16-key chunks: slots outside a row's live range (past its
+    position, before a sliding window's start) share those chunks and may hold anything,
+    NaN included; they must not change a single logit."""
+    config = north(num_layers=2)
+    weights = synthetic_weights(config, torch.bfloat16, "cuda", seed=12)
+    contexts = [4107, 37, 8193]  # a sliding window starting mid-chunk, a short row, a full layer past 8K
+    positions = [c - 1 for c in contexts]
+    kv_clean, tables = noisy_cache(config, len(contexts), max(contexts), seed=13)
+    kv_nan = copy_cache(config, kv_clean)
+    for layer in range(config.num_layers):
+        pages, table = kv_nan.layer_view(layer), tables[config.layer_group[layer]]
+        window = config.sliding_window if config.layer_types[layer] == SLIDING else None
+        for r, pos in enumerate(positions):
+            for key in range(pos, (pos // PAGE_SIZE + 1) * PAGE_SIZE):  # this step's slot and the rest of its page
+                pages[table[r, key // PAGE_SIZE], :, :, key % PAGE_SIZE] = float("nan")
+            if window is not None and pos - window + 1 > 0:
+                lo = pos - window + 1
+                for key in range(lo // PAGE_SIZE * PAGE_SIZE, lo):  # the page's keys before the window
+                    pages[table[r, key // PAGE_SIZE], :, :, key % PAGE_SIZE] = float("nan")
+    tokens = torch.tensor([3, 4, 5], dtype=torch.int32, device="cuda")
+    clean, _ = Megakernel(config, weights, kv_clean).step(tokens, positions, tables)
+    poisoned, _ = Megakernel(config, weights, kv_nan).step(tokens, positions, tables)
+    torch.cuda.synchronize()
+    assert torch.isfinite(poisoned).all()
+    assert torch.equal(clean, poisoned)
