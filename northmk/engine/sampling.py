@@ -13,6 +13,7 @@ whatever else shares the batch, and across preemption (the generator lives with 
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 
 import torch
@@ -99,7 +100,8 @@ class RowSampler:
     """Sampling state of one sequence (one choice of a request).
 
     `output_ids` is the sequence's generated ids, shared (not copied) with its record, so
-    penalties always see the tokens drawn so far.
+    penalties always see the tokens drawn so far. `seed` keys the GPU draws
+    (engine/gpu_sampling.py): the request's seed + choice index, else random 63 bits.
     """
 
     params: SamplingParams
@@ -107,6 +109,7 @@ class RowSampler:
     output_ids: list[int]
     eos_ids: tuple[int, ...]  # masked while fewer than min_tokens are generated
     generator: torch.Generator = field(default_factory=lambda: make_generator(None))
+    seed: int = field(default_factory=lambda: secrets.randbits(63))
 
     @classmethod
     def create(
@@ -115,7 +118,8 @@ class RowSampler:
     ) -> "RowSampler":
         # Choice i of a seeded request draws from seed + i: n > 1 gives n distinct samples.
         seed = None if params.seed is None else params.seed + choice_index
-        return cls(params, prompt_ids, output_ids, eos_ids, make_generator(seed))
+        return cls(params, prompt_ids, output_ids, eos_ids, make_generator(seed),
+                   secrets.randbits(63) if seed is None else seed)
 
     def processors(self) -> list[LogitsProcessor]:
         p = self.params

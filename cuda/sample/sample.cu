@@ -1,0 +1,442 @@
+// nmk_sample: one token per row drawn on the GPU, one CTA per row, one launch per call.
+//
+// Passes over a row (each a read of V floats, from L2 right after the megakernel):
+//   raw max, argmax and sum exp (greedy token, logprob)                          always
+//   radix select of the top_k threshold: 3 passes (digits of 11, 11, 10 bits)    0 < top_k < V
+//   radix search of the top_p threshold over fixed-point masses: 3 passes         top_p < 1
+//   Gumbel-max over the kept tokens, skipping those that cannot win              sampled rows
+// Once a radix level bounds the kept tokens from below and at most kCandidates lie above
+// that bound, the next pass copies them to shared memory and later passes read only them.
+// Everything that decides the token uses correctly rounded fp32 + - * / only (the __f*_rn
+// intrinsics, never contracted to FMA; no hardware log or exp), and masses are integers, so
+// the result does not depend on the summation order and northmk/engine/gpu_sampling.py
+// (reference_draw) reproduces it bit for bit. Hardware log/exp only estimate (the logprob,
+// agreeing to 1e-5, and a pre-check with a proven margin before the exact Gumbel noise).
+#include <cuda_runtime.h>
+
+#include <cstring>
+#include <string>
+
+#include "sample/sample.hpp"
+
+namespace nmk::sample {
+namespace {
+
+constexpr int kThreads = 1024, kWarps = kThreads / 32;
+constexpr int kBins = 2048;              // the widest radix digit, 11 bits
+constexpr uint32_t kCandidates = 2048;   // tokens a row keeps in shared memory
+constexpr uint32_t kNone = 0xffffffffu;  // no token / no bin
+constexpr float kInf = __builtin_huge_valf();
+
+// ---- the deterministic math; the same constants, as hex literals, are in gpu_sampling.py ----
+constexpr float kLn2 = 0x1.62e430p-1f, kLog2e = 0x1.715476p+0f;
+constexpr float kLn2Hi = 0x1.62e000p-1f, kLn2Lo = 0x1.0bfbe8p-15f;  // kLn2Hi * n is exact for |n| < 2^11
+constexpr float kInv3 = 0x1.555556p-2f, kInv5 = 0x1.99999ap-3f, kInv7 = 0x1.24924ap-3f, kInv9 = 0x1.c71c72p-4f;
+constexpr float kInv6 = 0x1.555556p-3f, kInv24 = 0x1.555556p-5f, kInv120 = 0x1.111112p-7f;
+constexpr float kInv720 = 0x1.6c16c2p-10f, kInv5040 = 0x1.a01a02p-13f;
+constexpr float kMassCut = -28.0f;     // exp(d) below 2^-40 weighs nothing in top_p
+constexpr float kMassScale = 0x1p39f;  // a token's top_p mass: trunc(exp(s - max s) * 2^39)
+constexpr float kMaxGumbel = 17.0f;    // above every gumbel() value (16.64 at u = 1 - 2^-24)
+
+// log(x) for finite x > 0 within a few ulp: x = 2^k m, m in [sqrt(1/2), sqrt(2)),
+// log(m) = 2 atanh(s) with s = (m - 1) / (m + 1), |s| < 0.172, as a series in s^2 up to s^9.
+__device__ float det_log(float x) {
+    int k = 0;
+    if (x < 0x1p-126f) x = __fmul_rn(x, 0x1p24f), k = -24;  // subnormal: scale exactly
+    const uint32_t b = __float_as_uint(x) - 0x3f3504f3u;     // 0x3f3504f3: sqrt(1/2)
+    k += static_cast<int32_t>(b) >> 23;
+    const float f = __fsub_rn(__uint_as_float((b & 0x007fffffu) + 0x3f3504f3u), 1.0f);  // m - 1, exact
+    const float s = __fdiv_rn(f, __fadd_rn(2.0f, f)), z = __fmul_rn(s, s);
+    float p = __fadd_rn(kInv7, __fmul_rn(z, kInv9));
+    p = __fadd_rn(kInv5, __fmul_rn(z, p));
+    p = __fadd_rn(kInv3, __fmul_rn(z, p));
+    p = __fadd_rn(1.0f, __fmul_rn(z, p));
+    return __fadd_rn(__fmul_rn(static_cast<float>(k), kLn2), __fmul_rn(__fmul_rn(2.0f, s), p));
+}
+
+// exp(d) for d in [kMassCut, 0]: d = n ln2 + r, |r| <= ln2 / 2, e^r by its Taylor series to r^7.
+__device__ float det_exp(float d) {
+    const float n = rintf(__fmul_rn(d, kLog2e));
+    const float r = __fsub_rn(__fsub_rn(d, __fmul_rn(n, kLn2Hi)), __fmul_rn(n, kLn2Lo));
+    float p = __fadd_rn(kInv720, __fmul_rn(r, kInv5040));
+    p = __fadd_rn(kInv120, __fmul_rn(r, p));
+    p = __fadd_rn(kInv24, __fmul_rn(r, p));
+    p = __fadd_rn(kInv6, __fmul_rn(r, p));
+    p = __fadd_rn(0.5f, __fmul_rn(r, p));
+    p = __fadd_rn(1.0f, __fmul_rn(r, p));
+    p = __fadd_rn(1.0f, __fmul_rn(r, p));
+    return __fmul_rn(p, __uint_as_float(static_cast<uint32_t>(static_cast<int>(n) + 127) << 23));
+}
+
+__device__ uint64_t splitmix64(uint64_t z) {
+    z += 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+// Token i's uniform: 23 hash bits + 1/2, over 2^23, lies in (0, 1) exactly in fp32.
+__device__ float uniform(uint64_t key, uint32_t i) {
+    const uint64_t h = splitmix64(key ^ i);
+    return __fmul_rn(__fadd_rn(static_cast<float>(static_cast<uint32_t>(h >> 41)), 0.5f), 0x1p-23f);
+}
+
+__device__ float gumbel(float u) { return -det_log(-det_log(u)); }
+
+// The value every rule compares: logit * (1 / temperature), NaN as -inf, -0 as +0 (so that
+// the order of keys is the order of values).
+__device__ float scaled(float x, float inv_t) {
+    const float s = __fmul_rn(isnan(x) ? -kInf : x, inv_t);
+    return s == 0.0f ? 0.0f : s;
+}
+
+// Monotone map of floats to uint32 keys and back.
+__device__ uint32_t order_key(float s) {
+    const uint32_t b = __float_as_uint(s);
+    return (b & 0x80000000u) ? ~b : b | 0x80000000u;
+}
+__device__ float key_value(uint32_t k) { return __uint_as_float((k & 0x80000000u) ? k & 0x7fffffffu : ~k); }
+
+// A token's integer top_p weight, d = s - max s.
+__device__ uint64_t token_mass(float d) {
+    if (!(d >= kMassCut)) return 0;
+    return static_cast<uint64_t>(__fmul_rn(det_exp(d), kMassScale));
+}
+
+// ---- block-wide pieces ----
+struct Shared {
+    uint32_t count[kBins];
+    uint32_t mass_lo[kBins], mass_hi[kBins];  // 64-bit masses as two 32-bit halves (native atomics)
+    float cand_s[kCandidates];        // the candidate list: scaled logits and their ids
+    uint32_t cand_i[kCandidates];
+    uint32_t num_cand;                // kNone: the candidates are all the row's logits
+    uint32_t fill;                    // list entries written by the current pass
+    float red_v[kWarps], red_sum[kWarps];
+    uint32_t red_i[kWarps];
+    uint32_t digit, rank, at_or_above;  // radix level: chosen bin, rank left in it, tokens in and above it
+    unsigned long long base, limit;     // top_p: mass above the current prefix, ceil(top_p * Z)
+};
+
+// Calls f(x, i) for every logit of the row, i ascending per thread. kLoads 16-byte loads are
+// in flight per thread: a single CTA needs that many to draw on L2's bandwidth.
+constexpr uint32_t kLoads = 4;
+template <class F>
+__device__ __forceinline__ void for_each_logit(const float *row, uint32_t vocab, F &&f) {
+    if ((vocab & 3u) == 0 && (reinterpret_cast<uintptr_t>(row) & 15u) == 0) {
+        const float4 *v = reinterpret_cast<const float4 *>(row);
+        const uint32_t n = vocab / 4;
+        auto use = [&](float4 x, uint32_t j) {
+            f(x.x, 4 * j), f(x.y, 4 * j + 1), f(x.z, 4 * j + 2), f(x.w, 4 * j + 3);
+        };
+        uint32_t j = threadIdx.x;
+        for (; j + (kLoads - 1) * kThreads < n; j += kLoads * kThreads) {
+            float4 x[kLoads];
+#pragma unroll
+            for (uint32_t u = 0; u < kLoads; u++) x[u] = __ldcg(v + j + u * kThreads);
+#pragma unroll
+            for (uint32_t u = 0; u < kLoads; u++) use(x[u], j + u * kThreads);
+        }
+        for (; j < n; j += kThreads) use(__ldcg(v + j), j);
+    } else {
+        for (uint32_t i = threadIdx.x; i < vocab; i += kThreads) f(row[i], i);
+    }
+}
+
+struct RowView {
+    const float *logits;
+    uint32_t vocab;
+    float inv_t;  // 1 / temperature, correctly rounded
+};
+
+// Calls f(s, i) for every candidate: the row's scaled logits, or the list once there is one.
+template <class F>
+__device__ __forceinline__ void for_each_candidate(const RowView &r, const Shared &sh, F &&f) {
+    const uint32_t n = sh.num_cand;
+    if (n != kNone) {
+        for (uint32_t c = threadIdx.x; c < n; c += kThreads) f(sh.cand_s[c], sh.cand_i[c]);
+    } else {
+        for_each_logit(r.logits, r.vocab, [&](float x, uint32_t i) { f(scaled(x, r.inv_t), i); });
+    }
+}
+
+// Argmax with the lowest id on ties.
+struct Best {
+    float v;
+    uint32_t i;
+};
+__device__ Best better(Best a, Best b) { return (b.v > a.v || (b.v == a.v && b.i < a.i)) ? b : a; }
+
+// Raw max (and its lowest id) with the sum of exp(x - max).
+struct Softmax {
+    Best top;
+    float sum;
+};
+__device__ Softmax merge(Softmax a, Softmax b) {
+    const float m = fmaxf(a.top.v, b.top.v);
+    const float sa = a.top.v == m ? a.sum : a.sum * expf(a.top.v - m);
+    const float sb = b.top.v == m ? b.sum : b.sum * expf(b.top.v - m);
+    return {better(a.top, b.top), sa + sb};
+}
+
+__device__ Softmax shfl_xor(Softmax x, int o) {
+    return {{__shfl_xor_sync(~0u, x.top.v, o), __shfl_xor_sync(~0u, x.top.i, o)}, __shfl_xor_sync(~0u, x.sum, o)};
+}
+
+__device__ Softmax block_softmax(Softmax x, Shared &sh) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int o = 16; o; o >>= 1) x = merge(x, shfl_xor(x, o));
+    if (lane == 0) sh.red_v[warp] = x.top.v, sh.red_i[warp] = x.top.i, sh.red_sum[warp] = x.sum;
+    __syncthreads();
+    x = {{sh.red_v[lane], sh.red_i[lane]}, sh.red_sum[lane]};  // kWarps == 32 lanes
+    for (int o = 16; o; o >>= 1) x = merge(x, shfl_xor(x, o));
+    __syncthreads();
+    return x;
+}
+
+__device__ Best block_best(Best x, Shared &sh) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int o = 16; o; o >>= 1) x = better(x, {__shfl_xor_sync(~0u, x.v, o), __shfl_xor_sync(~0u, x.i, o)});
+    if (lane == 0) sh.red_v[warp] = x.v, sh.red_i[warp] = x.i;
+    __syncthreads();
+    x = {sh.red_v[lane], sh.red_i[lane]};
+    for (int o = 16; o; o >>= 1) x = better(x, {__shfl_xor_sync(~0u, x.v, o), __shfl_xor_sync(~0u, x.i, o)});
+    __syncthreads();
+    return x;
+}
+
+// Histogram adds, merged while a thread's consecutive tokens fall in the same bin (near the
+// top of a row most do), so a crowded bin costs few shared atomics.
+struct BinRun {
+    uint32_t bin = kNone, count = 0;
+    unsigned long long mass = 0;
+    __device__ void add(uint32_t b, unsigned long long q, Shared &sh) {
+        if (b != bin) flush(sh), bin = b;
+        count++, mass += q;
+    }
+    __device__ void flush(Shared &sh) {
+        if (count) atomicAdd(&sh.count[bin], count);
+        if (mass) {
+            const uint32_t lo = static_cast<uint32_t>(mass), old = atomicAdd(&sh.mass_lo[bin], lo);
+            const uint32_t hi = static_cast<uint32_t>(mass >> 32) + (old + lo < old);  // carry out of lo
+            if (hi) atomicAdd(&sh.mass_hi[bin], hi);
+        }
+        count = 0, mass = 0;
+    }
+};
+
+__device__ unsigned long long bin_mass(const Shared &sh, uint32_t b) {
+    return static_cast<unsigned long long>(sh.mass_hi[b]) << 32 | sh.mass_lo[b];
+}
+
+// Radix levels over the 32 key bits: digits of 11, 11 and 10 bits.
+__device__ int level_shift(int level) { return level == 0 ? 21 : level == 1 ? 10 : 0; }
+__device__ uint32_t level_bins(int level) { return level == 2 ? 1024u : 2048u; }
+
+// One radix level's histogram over the candidates with key >= floor_key whose high bits are
+// `prefix` (under `mask`): counts, and top_p masses when with_mass. With masses, tokens of no
+// mass (s - max s < kMassCut) are left out: all mass lies above them, so top_p never keeps
+// them and the search ends where it would with them. When collect_key is not kNone and there
+// is no list yet, the counted candidates with key >= collect_key become the list.
+template <bool kWithMass>
+__device__ void histogram(const RowView &r, Shared &sh, int level, uint32_t prefix, uint32_t mask,
+                          uint32_t floor_key, float max_s, uint32_t collect_key) {
+    const int shift = level_shift(level);
+    const uint32_t bins = level_bins(level);
+    for (uint32_t b = threadIdx.x; b < bins; b += kThreads) sh.count[b] = 0, sh.mass_lo[b] = 0, sh.mass_hi[b] = 0;
+    if (threadIdx.x == 0) sh.fill = 0;
+    const bool collect = collect_key != kNone && sh.num_cand == kNone;
+    __syncthreads();
+    BinRun run;
+    for_each_candidate(r, sh, [&](float s, uint32_t i) {
+        const uint32_t key = order_key(s);
+        const float d = __fsub_rn(s, max_s);
+        if (key < floor_key || (kWithMass && !(d >= kMassCut))) return;
+        if (collect && key >= collect_key) {
+            const uint32_t c = atomicAdd(&sh.fill, 1u);
+            sh.cand_s[c] = s, sh.cand_i[c] = i;
+        }
+        if ((key & mask) == prefix) run.add((key >> shift) & (bins - 1), kWithMass ? token_mass(d) : 0, sh);
+    });
+    run.flush(sh);
+    __syncthreads();
+    if (collect && threadIdx.x == 0) sh.num_cand = sh.fill;  // read after the caller's next barrier
+}
+
+// Inclusive sum over lanes >= this one.
+template <class T>
+__device__ T suffix_sum(T v) {
+    const int lane = threadIdx.x & 31;
+    for (int o = 1; o < 32; o <<= 1) {
+        const T w = __shfl_down_sync(~0u, v, o);
+        if (lane + o < 32) v += w;
+    }
+    return v;
+}
+
+// The list bound after a level: its bin's lower edge, when few enough tokens lie at or above it.
+__device__ uint32_t collect_bound(const Shared &sh, uint32_t prefix) {
+    return sh.at_or_above <= kCandidates ? prefix : kNone;
+}
+
+// The key of the k-th largest scaled logit (1 <= k < vocab).
+__device__ uint32_t top_k_key(const RowView &r, uint32_t k, Shared &sh) {
+    uint32_t prefix = 0, mask = 0, collect_key = kNone;
+    for (int level = 0; level < 3; level++) {
+        const int shift = level_shift(level);
+        const uint32_t bins = level_bins(level);
+        histogram<false>(r, sh, level, prefix, mask, 0, 0.0f, collect_key);
+        if (threadIdx.x < 32) {  // the bin holding rank k, counting from the top
+            const uint32_t per = bins / 32, lo = threadIdx.x * per;
+            uint32_t total = 0;
+            for (uint32_t j = 0; j < per; j++) total += sh.count[lo + j];
+            uint32_t above = suffix_sum(total) - total;
+            if (above < k && k <= above + total) {
+                for (uint32_t d = lo + per; d-- > lo; above += sh.count[d])
+                    if (above + sh.count[d] >= k) {
+                        sh.digit = d, sh.rank = k - above, sh.at_or_above = above + sh.count[d];
+                        break;
+                    }
+            }
+        }
+        __syncthreads();
+        prefix |= sh.digit << shift, mask |= (bins - 1) << shift, k = sh.rank;
+        if (level == 0) collect_key = collect_bound(sh, prefix);
+    }
+    return prefix;
+}
+
+// The key of the smallest kept value v (key >= floor_key) such that the mass of kept tokens
+// above v is below ceil(top_p * Z), Z the kept mass; the max when Z is 0.
+__device__ uint32_t top_p_key(const RowView &r, float max_s, uint32_t floor_key, float top_p, Shared &sh) {
+    uint32_t prefix = 0, mask = 0, collect_key = kNone;
+    if (threadIdx.x == 0) sh.base = 0;
+    for (int level = 0; level < 3; level++) {
+        const int shift = level_shift(level);
+        const uint32_t bins = level_bins(level);
+        histogram<true>(r, sh, level, prefix, mask, floor_key, max_s, collect_key);
+        if (threadIdx.x < 32) {
+            const uint32_t per = bins / 32, lo = threadIdx.x * per;
+            unsigned long long total = 0;
+            uint32_t tokens = 0;
+            for (uint32_t j = 0; j < per; j++) total += bin_mass(sh, lo + j), tokens += sh.count[lo + j];
+            const unsigned long long incl = suffix_sum(total);
+            if (level == 0) {  // limit = ceil(top_p * Z), exactly: top_p = mant * 2^-shr
+                const unsigned long long z = __shfl_sync(~0u, incl, 0);
+                const uint32_t bits = __float_as_uint(top_p), biased = bits >> 23;
+                const uint32_t mant = biased ? (bits & 0x007fffffu) | 0x00800000u : bits & 0x007fffffu;
+                const int shr = biased ? 150 - static_cast<int>(biased) : 149;
+                const unsigned __int128 prod = static_cast<unsigned __int128>(z) * mant;
+                if (threadIdx.x == 0)
+                    sh.limit = shr >= 100 ? (prod != 0)
+                                          : static_cast<unsigned long long>(
+                                                (prod + ((static_cast<unsigned __int128>(1) << shr) - 1)) >> shr);
+            }
+            __syncwarp();
+            unsigned long long above = sh.base + (incl - total), at = 0;
+            uint32_t held = suffix_sum(tokens) - tokens, found = kNone, found_held = 0;
+            // this lane's lowest nonempty bin with less than limit above it
+            for (uint32_t d = lo + per; d-- > lo; above += bin_mass(sh, d)) {
+                held += sh.count[d];
+                if (sh.count[d] && above < sh.limit) found = d, at = above, found_held = held;
+            }
+            uint32_t lowest = found;
+            for (int o = 16; o; o >>= 1) lowest = min(lowest, __shfl_xor_sync(~0u, lowest, o));
+            if (found == lowest && found != kNone) sh.digit = found, sh.base = at, sh.at_or_above = found_held;
+        }
+        __syncthreads();
+        if (level == 0 && sh.limit == 0) return order_key(max_s);  // no mass at all: keep the top value
+        prefix |= sh.digit << shift, mask |= (bins - 1) << shift;
+        if (level == 0) collect_key = collect_bound(sh, prefix);
+    }
+    return prefix;
+}
+
+// Offers token i (scaled logit s, kept) to the running Gumbel argmax. A token whose best
+// possible score is below the leader's is skipped unhashed; one whose estimated score (__logf:
+// within 4e-4 of the exact noise while -log u > 1e-3) is clearly below is skipped unrounded.
+__device__ void offer(Best &win, float s, uint32_t i, uint64_t key) {
+    if (__fadd_rn(s, kMaxGumbel) < win.v) return;
+    const float u = uniform(key, i), e = -__logf(u);
+    if (e > 1e-3f && s - __logf(e) < win.v - (1e-3f + 1e-6f * fabsf(win.v))) return;
+    win = better(win, {__fadd_rn(s, gumbel(u)), i});
+}
+
+struct Args {
+    const float *logits;  // [rows, vocab]
+    uint32_t vocab;
+    int32_t *tokens;      // [rows]
+    float *logprobs;      // [rows] or NULL
+    nmk_sample_row rows[NMK_SAMPLE_MAX_ROWS];
+};
+
+__global__ void __launch_bounds__(kThreads, 1) nmk_sample_kernel(const __grid_constant__ Args a) {
+    __shared__ Shared sh;
+    const nmk_sample_row &p = a.rows[blockIdx.x];
+    const float *row = a.logits + static_cast<size_t>(blockIdx.x) * a.vocab;
+    if (threadIdx.x == 0) sh.num_cand = kNone;
+
+    // Raw max, its lowest id, and sum exp(x - max) (online; hardware exp: the logprob only).
+    float m = -kInf, sum = 0.0f;
+    uint32_t arg = kNone;
+    for_each_logit(row, a.vocab, [&](float x, uint32_t i) {
+        x = isnan(x) ? -kInf : x;
+        if (x > m) {
+            sum = sum * __expf(m - x) + 1.0f, m = x, arg = i;
+        } else {
+            if (arg == kNone) arg = i;
+            if (x != -kInf) sum += __expf(x - m);
+        }
+    });
+    const Softmax raw = block_softmax({{m, arg}, sum}, sh);
+    uint32_t token = raw.top.i;
+
+    if (p.temperature > 0.0f) {
+        const RowView r{row, a.vocab, __frcp_rn(p.temperature)};
+        const float max_s = scaled(raw.top.v, r.inv_t);
+        float cut = -kInf;  // kept: scaled logit >= cut
+        if (p.top_k > 0 && static_cast<uint32_t>(p.top_k) < a.vocab)
+            cut = key_value(top_k_key(r, static_cast<uint32_t>(p.top_k), sh));
+        if (p.top_p < 1.0f) cut = fmaxf(cut, key_value(top_p_key(r, max_s, order_key(cut), p.top_p, sh)));
+        if (p.min_p > 0.0f) cut = fmaxf(cut, __fadd_rn(max_s, det_log(p.min_p)));
+
+        // The raw argmax is kept; its score is the first bound on the winner's.
+        const uint64_t key = splitmix64(p.seed ^ splitmix64(p.counter));
+        Best win{__fadd_rn(max_s, gumbel(uniform(key, token))), token};
+        for_each_candidate(r, sh, [&](float s, uint32_t i) {
+            if (s >= cut) offer(win, s, i, key);
+        });
+        token = block_best(win, sh).i;
+    }
+    if (threadIdx.x == 0) {
+        a.tokens[blockIdx.x] = static_cast<int32_t>(token);
+        if (a.logprobs) {
+            const float x = row[token];
+            a.logprobs[blockIdx.x] = (isnan(x) ? -kInf : x) - raw.top.v - logf(raw.sum);
+        }
+    }
+}
+
+void cuda_check(cudaError_t e, const char *what) {
+    if (e != cudaSuccess) throw nmk::Error(NMK_ERR_CUDA, std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+}  // namespace
+}  // namespace nmk::sample
+
+extern "C" {
+
+NMK_API nmk_status nmk_sample(const float *logits, uint32_t rows, uint32_t vocab, const nmk_sample_row *params,
+                              int32_t *tokens, float *logprobs, void *stream) {
+    nmk_status status = nmk::sample::check_args(logits, rows, vocab, params, tokens);
+    if (status != NMK_OK) return status;
+    return nmk::guard("nmk_sample", [&] {
+        using namespace nmk::sample;
+        Args a{logits, vocab, tokens, logprobs, {}};
+        std::memcpy(a.rows, params, rows * sizeof(nmk_sample_row));
+        nmk_sample_kernel<<<rows, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(a);
+        cuda_check(cudaGetLastError(), "sampling kernel launch");
+        return NMK_OK;
+    });
+}
+
+}  // extern "C"
