@@ -3,7 +3,8 @@ names (single file or sharded with an index), tokenizer files and chat_template.
 
 Presets name geometries; any field can be overridden. `north` is the full North Mini Code
 geometry; `default` is the small built-in model (its vocabulary is what the built-in
-tokenizer fills: bytes, learned merges and the Cohere special tokens); `tiny` is for tests.
+tokenizer fills: bytes, learned merges and the Cohere special tokens); `mk-small` is the
+default's vocabulary at a geometry the decode megakernel runs; `tiny` is for tests.
 """
 
 from __future__ import annotations
@@ -30,6 +31,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         vocab_size=608, hidden_size=256, num_hidden_layers=8, num_attention_heads=8,
         num_key_value_heads=2, head_dim=32, num_experts=16, num_experts_per_tok=4,
         intermediate_size=128, prefix_dense_intermediate_size=512, sliding_window=256,
+        max_position_embeddings=8192,
+    ),
+    # head_dim 128, tied embeddings; layer 0 dense and full, 1-3 sliding, 4 full
+    "mk-small": dict(
+        vocab_size=608, hidden_size=512, num_hidden_layers=5, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=128, num_experts=16, num_experts_per_tok=4,
+        intermediate_size=256, prefix_dense_intermediate_size=512, sliding_window=128,
         max_position_embeddings=8192,
     ),
     "tiny": dict(

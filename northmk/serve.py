@@ -44,10 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", help="checkpoint directory (default: the built-in random-weight model)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=_port, default=8000)
-    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    p.add_argument("--device", default=None,
+                   help="cpu | cuda | cuda:N (default: cuda with --backend megakernel, else cpu)")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="default: bfloat16 on cuda, float32 on cpu")
-    p.add_argument("--backend", default="torch", choices=BACKENDS)
+    p.add_argument("--backend", default="auto", choices=BACKENDS,
+                   help="auto: the decode megakernel where it can run (sm_90, bfloat16, a geometry it implements), "
+                        "else torch")
     p.add_argument("--max-batch", type=_positive, default=8, help="rows in the decode batch")
     p.add_argument("--max-model-len", type=_positive, default=None,
                    help="context limit in tokens (default: the checkpoint's)")
@@ -98,9 +101,10 @@ def configs(args: argparse.Namespace):
     if args.model is not None and not (Path(args.model) / "config.json").is_file():
         raise ValueError(f"--model {args.model}: no config.json in that directory")
     names = tuple(args.served_model_name or (Path(args.model).name if args.model else DEFAULT_NAME,))
-    dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    device = args.device or ("cuda" if args.backend == "megakernel" else "cpu")
+    dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     engine = EngineConfig(
-        model=args.model, device=args.device, dtype=dtype, backend=args.backend, max_batch=args.max_batch,
+        model=args.model, device=device, dtype=dtype, backend=args.backend, max_batch=args.max_batch,
         max_model_len=args.max_model_len, num_kv_pages=args.num_kv_pages, max_waiting=args.max_waiting,
         enable_prefix_caching=not args.no_prefix_caching, served_model_name=names[0],
     )

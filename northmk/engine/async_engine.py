@@ -8,12 +8,16 @@ import time
 from pathlib import Path
 from typing import Any, AsyncIterator
 
-from .. import native
+import torch
+
+from .. import native, telemetry
 from ..config import FULL, PAGE_SIZE, ModelConfig
 from ..default_model import default_model_path
 from ..tokenizer import IncrementalDetokenizer, Tokenizer
 from .config import EngineConfig
+from .gpu_sampling import GpuSampler
 from .metrics import EngineMetrics
+from .mk_runner import MegakernelRunner, megakernel_unavailable
 from .output import ChoiceOutput
 from .runner import TorchRunner
 from .sampling import RowSampler
@@ -21,6 +25,8 @@ from .scheduler import Scheduler
 from .sequence import RequestState, Sequence
 from .types import EngineDead, EngineOverloaded, GenerationRequest, RequestOutput, RequestRejected
 from .validate import validate_request
+
+log = telemetry.get_logger("northmk.engine")
 
 
 class AsyncEngine:
@@ -30,6 +36,9 @@ class AsyncEngine:
         self.runner = runner
         self.tokenizer = tokenizer
         self.model_config: ModelConfig = runner.config
+        self.backend = runner.backend
+        # The megakernel's logits stay on the GPU: rows whose sampling the GPU implements draw there.
+        self.device_sampler = GpuSampler(runner.kv.pages[0].device) if runner.backend == "megakernel" else None
         limit = min(config.max_model_len or self.model_config.max_position_embeddings,
                     self.model_config.max_position_embeddings)
         # A sequence longer than the full-attention pages could never finish: cap the context there.
@@ -50,23 +59,19 @@ class AsyncEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "AsyncEngine":
-        """Load the checkpoint and tokenizer (blocking; call before serving)."""
-        if config.backend != "torch":
-            raise ValueError(
-                f"backend {config.backend!r} cannot serve yet: the decode megakernel runs and is tested on "
-                "sm_90a (northmk.megakernel) but the engine's decode loop does not drive it yet; use --backend torch"
-            )
+        """Load the checkpoint and tokenizer (blocking; call before serving). ValueError, with
+        the reason in one line, when backend "megakernel" cannot run here."""
         path = Path(config.model) if config.model is not None else default_model_path()
         model_config = ModelConfig.from_file(path)
         limit = min(config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings)
-        runner = TorchRunner.load(config, path, limit)
-        return cls(config, path, runner, Tokenizer.from_pretrained(path))
+        return cls(config, path, _load_runner(config, model_config, path, limit), Tokenizer.from_pretrained(path))
 
     # ---- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
         if self.scheduler is not None:
             raise RuntimeError("engine already started")
-        self.scheduler = Scheduler(self.config, self.runner, self.pool, self.metrics, self.eos_ids)
+        self.scheduler = Scheduler(self.config, self.runner, self.pool, self.metrics, self.eos_ids,
+                                   device_sampler=self.device_sampler)
         asyncio.get_running_loop().add_reader(self.scheduler.fd, self.scheduler.on_loop_fd)
         self._task = asyncio.create_task(self.scheduler.run(), name="northmk-scheduler")
         self._accepting = True
@@ -167,6 +172,27 @@ class AsyncEngine:
                 output_ids=output_ids,
             ))
         return req
+
+
+def _load_runner(config: EngineConfig, model: ModelConfig, path: Path, max_model_len: int) -> TorchRunner:
+    """The backend config.backend names; "auto": the megakernel where it can run, else torch."""
+    runner, reason = None, None
+    if config.backend != "torch":
+        reason = megakernel_unavailable(config, model)
+        if reason is None:
+            try:
+                runner = MegakernelRunner.load(config, path, max_model_len)
+            except native.NativeError as exc:  # nmk_mk_create refused it (e.g. this GPU's limits)
+                reason = exc.message
+        if reason is not None and config.backend == "megakernel":
+            raise ValueError(f"backend 'megakernel' cannot serve {path.name} here: {reason}")
+    if runner is None:
+        if reason is not None and config.device.startswith("cuda"):
+            torch.cuda.empty_cache()  # what a failed megakernel load held goes back for the KV sizing
+        runner = TorchRunner.load(config, path, max_model_len)
+    log.info("engine backend", backend=runner.backend, requested=config.backend, device=config.device,
+             dtype=config.dtype, **({"reason": reason} if reason else {}))
+    return runner
 
 
 def _eos_ids(config: ModelConfig, tokenizer: Tokenizer) -> tuple[int, ...]:

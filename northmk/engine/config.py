@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-BACKENDS = ("torch", "megakernel")
+# auto: the megakernel where it can run (CUDA sm_90, bf16, a geometry it implements), else torch
+BACKENDS = ("auto", "torch", "megakernel")
 DEVICES = ("cpu", "cuda")
 
 
@@ -14,7 +15,7 @@ class EngineConfig:
     model: str | Path | None = None  # checkpoint directory; None: the built-in default model
     device: str = "cpu"
     dtype: str = "float32"  # float32 | bfloat16 | float16
-    backend: str = "torch"
+    backend: str = "auto"
     max_batch: int = 8  # rows in the decode batch
     max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
     num_kv_pages: int | None = None  # pages of the full-attention group; None: sized below

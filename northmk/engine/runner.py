@@ -51,6 +51,8 @@ def _kv_budget_bytes(engine: EngineConfig) -> int:
 
 
 class TorchRunner:
+    backend = "torch"
+
     def __init__(self, model_config: ModelConfig, weights: ModelWeights, num_pages: list[int]):
         self.config = model_config
         self.model = ReferenceModel(model_config, weights)

@@ -18,18 +18,21 @@ import torch
 
 from .. import native
 from .config import EngineConfig
+from .gpu_sampling import DrawParams, GpuSampler, draw_params
 from .metrics import EngineMetrics
 from .prompt_logprobs import PromptScorer
 from .runner import TorchRunner
 from .sampling import sample_rows
 from .sequence import RequestState, Sequence, SeqStatus
-from .types import EngineDead
+from .types import EngineDead, TokenLogprob
+
 
 class Scheduler:
     def __init__(self, config: EngineConfig, runner: TorchRunner, pool: native.KVPool,
-                 metrics: EngineMetrics, eos_ids: tuple[int, ...]):
+                 metrics: EngineMetrics, eos_ids: tuple[int, ...], device_sampler: GpuSampler | None = None):
         self.config = config
         self.runner = runner
+        self.device_sampler = device_sampler  # None: every step samples on the host
         self.pool = pool
         self.metrics = metrics
         self.eos_ids = eos_ids
@@ -51,16 +54,41 @@ class Scheduler:
 
     # ---- the loop thread ----------------------------------------------------------------
     def decode_step(self, batch: native.StepInput) -> tuple[list[int], list[float]]:
-        """One decode step for the loop's rows: the reference model, then per-row sampling."""
+        """One decode step for the loop's rows: the model, then sampling (on the device when
+        every row can draw there, else per row on the host)."""
         seqs = [self.by_kv[int(s)] for s in batch.seqs]
         slots = torch.from_numpy(batch.slots.astype(np.int64))
         tables = [torch.from_numpy(self.pool.block_table(g))[slots] for g in self.groups]
         logits = self.runner.decode(batch.tokens.tolist(), batch.positions.tolist(), tables)
-        results = sample_rows(logits, [s.sampler for s in seqs])
+        params = self._device_draw_params(seqs)
+        if params is None:
+            results = sample_rows(logits, [s.sampler for s in seqs])
+        else:
+            results = self._sample_on_device(logits, params, seqs)
         for seq, (token, lp) in zip(seqs, results):
             seq.output_ids.append(token)
             seq.pending_logprobs.append(lp)
         return [t for t, _ in results], [lp.logprob if lp else math.nan for _, lp in results]
+
+    def _device_draw_params(self, seqs: list[Sequence]) -> list[DrawParams] | None:
+        """Every row's device draw, or None when there is no device sampler or a row needs the
+        host (a processor the device lacks, or top-logprob alternatives)."""
+        if self.device_sampler is None:
+            return None
+        params = [draw_params(s.sampler) for s in seqs]
+        return None if None in params else params
+
+    def _sample_on_device(self, logits: torch.Tensor, params: list[DrawParams],
+                          seqs: list[Sequence]) -> list[tuple[int, TokenLogprob | None]]:
+        """Draw on the logits' device; one copy brings the B tokens (and their logprobs when a
+        row asked for them) to the host."""
+        tokens, logprobs = self.device_sampler.draw(logits, params)
+        want = [s.sampler.params.logprobs is not None for s in seqs]
+        tokens = tokens.to(torch.int32)  # what the logprobs' bits ride along with
+        host = (torch.cat((tokens, logprobs.view(torch.int32))) if any(want) else tokens).cpu()
+        ids = host[:len(seqs)].tolist()
+        values = host[len(seqs):].view(torch.float32).tolist()
+        return [(t, TokenLogprob(t, values[i]) if want[i] else None) for i, t in enumerate(ids)]
 
     # ---- events from the loop (event-loop thread) ----------------------------------------
     def on_loop_fd(self) -> None:

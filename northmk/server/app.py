@@ -52,8 +52,8 @@ async def _engine_lifetime(app: web.Application) -> AsyncIterator[None]:
     # Built once per tokenizer; the first constrained request would otherwise pay for it.
     await asyncio.to_thread(ll_tokenizer, engine.tokenizer, engine.eos_ids)
     await engine.start()
-    log.info("engine started", model=app[CONFIG].served_model_names[0], max_model_len=engine.max_model_len,
-             tracing=app[TRACING].enabled)
+    log.info("engine started", model=app[CONFIG].served_model_names[0], backend=engine.backend,
+             max_model_len=engine.max_model_len, tracing=app[TRACING].enabled)
     yield
     await engine.shutdown(app[CONFIG].drain_timeout_s)
     log.info("engine stopped")

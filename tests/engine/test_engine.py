@@ -190,8 +190,3 @@ async def test_outputs_carry_when_the_request_left_the_queue_and_got_its_first_t
         assert start <= last.scheduled_time <= last.first_token_time
     # One row: the second request waits in the queue until the first has finished.
     assert second.scheduled_time > first.first_token_time
-
-
-def test_the_megakernel_backend_is_refused_clearly_until_the_loop_drives_it(tiny_checkpoint):
-    with pytest.raises(ValueError, match="cannot serve yet"):
-        AsyncEngine.from_config(EngineConfig(model=tiny_checkpoint, backend="megakernel", device="cuda"))

@@ -1,0 +1,73 @@
+"""The megakernel backend: TorchRunner's PyTorch prefill, and one megakernel launch per decode step.
+
+Both write the same paged KV arena: prefill through the reference model, decode inside the
+kernel (each step's k, v go to its rows' pages). Prefill chunks (executor thread) and decode
+steps (loop thread) are enqueued on the device's default stream, so they never overlap.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import PAGE_SIZE, ModelConfig
+from ..megakernel import MAX_BATCH, Megakernel, Schedule, unsupported_reason
+from ..model.weights import ModelWeights
+from ..native._lib import NativeError, load
+from .config import EngineConfig
+from .runner import TorchRunner
+
+
+def megakernel_unavailable(engine: EngineConfig, model: ModelConfig) -> str | None:
+    """Why the megakernel cannot serve `model` with these settings, or None when it can.
+
+    After the device kind, the model and the settings are checked before the machine, so a
+    model the kernel does not implement gets the same reason on any machine.
+    """
+    if not engine.device.startswith("cuda"):
+        return f"the megakernel needs a CUDA device, not {engine.device!r}"
+    reason = unsupported_reason(model) or _geometry_reason(model)
+    if reason:
+        return reason
+    if not model.tie_word_embeddings:
+        return "the megakernel needs tied embeddings (lm_head is embed_tokens)"
+    if engine.dtype != "bfloat16":
+        return f"the megakernel runs bfloat16 weights, not {engine.dtype}"
+    if engine.max_batch > MAX_BATCH:
+        return f"the megakernel runs at most {MAX_BATCH} rows per step, max_batch is {engine.max_batch}"
+    if not torch.cuda.is_available():
+        return "CUDA is not available (torch sees no GPU)"
+    index = torch.device(engine.device).index or 0
+    if index >= torch.cuda.device_count():
+        return f"no CUDA device {engine.device} (torch sees {torch.cuda.device_count()})"
+    major, minor = torch.cuda.get_device_capability(index)
+    if major != 9:
+        return f"the megakernel needs an sm_90 (Hopper) GPU, {engine.device} is sm_{major}{minor}"
+    if not load().nmk_has_cuda():
+        return "libnorthmk was built without CUDA (rebuild it where nvcc is installed)"
+    return None
+
+
+def _geometry_reason(model: ModelConfig) -> str | None:
+    """The schedule builder's geometry check (host code, so it answers on any machine)."""
+    try:
+        Schedule(model, 1, [1])
+    except NativeError as exc:
+        return f"the megakernel cannot run this geometry: {exc.message.split(': ', 1)[-1]}"
+    return None
+
+
+class MegakernelRunner(TorchRunner):
+    backend = "megakernel"
+
+    def __init__(self, model_config: ModelConfig, weights: ModelWeights, num_pages: list[int]):
+        super().__init__(model_config, weights, num_pages)
+        self.megakernel = Megakernel(model_config, weights, self.kv)
+
+    def decode(self, tokens: list[int], positions: list[int], block_tables: list[torch.Tensor]) -> torch.Tensor:
+        """One token per row at its position (tables [rows, cols] per group); float32 logits
+        [rows, V] on the device, enqueued on its current stream (not synchronized)."""
+        cols = max(positions) // PAGE_SIZE + 1  # the kernel reads no page past the last position
+        with torch.cuda.device(self.megakernel.weights.device):  # the loop thread's current device may differ
+            logits, _ = self.megakernel.step(torch.tensor(tokens, dtype=torch.int32), list(positions),
+                                             [t[:, :cols] for t in block_tables])
+        return logits

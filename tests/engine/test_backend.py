@@ -1,0 +1,225 @@
+"""Backend selection ("auto", "torch", "megakernel") and the scheduler's choice, per decode
+step, between drawing every row on the device sampler and sampling on the host.
+
+The device path runs here with gpu_sampling's CPU reference of the GPU sampler behind the
+GpuSampler API (the megakernel itself needs an sm_90 GPU: tests/gpu/test_serve_megakernel.py)."""
+
+import asyncio
+import json
+import logging
+import math
+import re
+
+import pytest
+import structlog
+import torch
+
+from northmk.checkpoint_writer import config_dict
+from northmk.config import ModelConfig
+from northmk.engine import AsyncEngine, EngineConfig, GenerationRequest, SamplingParams
+from northmk.engine.gpu_sampling import DrawParams, reference_draw
+from northmk.engine.mk_runner import megakernel_unavailable
+from northmk.serve import build_parser, configs, main
+
+PROMPTS = [[2, 17, 99, 301, 5], [2] + list(range(40, 110)), [2, 900, 901]]
+MK_GPU = EngineConfig(device="cuda", dtype="bfloat16")
+
+
+class ReferenceSampler:
+    """GpuSampler's contract computed on the CPU (gpu_sampling.reference_draw); keeps each draw's params."""
+
+    def __init__(self):
+        self.draws: list[list[DrawParams]] = []
+
+    def draw(self, logits: torch.Tensor, params: list[DrawParams]) -> tuple[torch.Tensor, torch.Tensor]:
+        self.draws.append(list(params))
+        tokens, logprobs = reference_draw(logits, params)
+        return tokens.to(torch.int32), logprobs
+
+
+@pytest.fixture
+async def engines(tiny_checkpoint):
+    """engines(device_sampler=None, **config) -> a started engine on the tiny checkpoint."""
+    made = []
+
+    async def make(device_sampler=None, **overrides):
+        engine = AsyncEngine.from_config(EngineConfig(model=tiny_checkpoint, **overrides))
+        engine.device_sampler = device_sampler
+        await engine.start()
+        made.append(engine)
+        return engine
+
+    yield make
+    for engine in made:
+        await engine.shutdown()
+
+
+def config_only(tmp_path, preset="mk-small", **overrides):
+    """A checkpoint directory with only config.json: enough for the checks made before loading."""
+    (tmp_path / "config.json").write_text(json.dumps(config_dict(preset, **overrides)))
+    return tmp_path
+
+
+@pytest.fixture
+def restore_logging():
+    """serve.main configures logging onto the captured stderr; put the test session's back."""
+    root = logging.getLogger()
+    handlers, level, config = root.handlers[:], root.level, structlog.get_config()
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+    structlog.configure(**config)
+
+
+async def run(engine, prompt, request_id, **params):
+    """(token ids, logprobs) of choice 0 of one request."""
+    params.setdefault("temperature", 0.0)
+    params.setdefault("ignore_eos", True)
+    ids, logprobs = [], []
+    async for out in engine.generate(GenerationRequest(request_id, list(prompt), SamplingParams(**params))):
+        ids += out.outputs[0].token_ids
+        logprobs += out.outputs[0].logprobs or []
+    return ids, logprobs
+
+
+# ---- choosing the backend ---------------------------------------------------------------------
+def test_auto_is_the_default_and_picks_torch_on_cpu_saying_why(tiny_checkpoint):
+    assert EngineConfig().backend == "auto"
+    with structlog.testing.capture_logs() as logs:
+        engine = AsyncEngine.from_config(EngineConfig(model=tiny_checkpoint))
+    assert engine.backend == "torch" and engine.device_sampler is None
+    [line] = [e for e in logs if e["event"] == "engine backend"]
+    assert line["backend"] == "torch" and line["requested"] == "auto"
+    assert line["reason"] == "the megakernel needs a CUDA device, not 'cpu'"
+    engine.pool.close()
+
+
+def test_an_explicit_torch_backend_logs_no_reason(tiny_checkpoint):
+    with structlog.testing.capture_logs() as logs:
+        engine = AsyncEngine.from_config(EngineConfig(model=tiny_checkpoint, backend="torch"))
+    [line] = [e for e in logs if e["event"] == "engine backend"]
+    assert engine.backend == "torch" and line["requested"] == "torch" and "reason" not in line
+    engine.pool.close()
+
+
+@pytest.mark.parametrize("preset,overrides,engine,reason", [
+    ("tiny", {}, MK_GPU, "head_dim 128"),
+    ("default", {}, MK_GPU, "head_dim 128"),
+    ("mk-small", {"hidden_size": 384}, MK_GPU, r"hidden_size.* multiple of 256"),
+    ("mk-small", {"num_experts": 160}, MK_GPU, r"128 experts|num_experts <= 128"),
+    ("mk-small", {"tie_word_embeddings": False}, MK_GPU, "tied embeddings"),
+    ("mk-small", {"expert_selection_fn": "softmax"}, MK_GPU, "sigmoid routing"),
+    ("mk-small", {}, EngineConfig(device="cuda", dtype="float16"), "bfloat16 weights, not float16"),
+    ("mk-small", {}, EngineConfig(device="cuda", dtype="bfloat16", max_batch=16), "at most 8 rows"),
+    ("mk-small", {}, EngineConfig(device="cpu", dtype="bfloat16"), "needs a CUDA device, not 'cpu'"),
+])
+def test_why_the_megakernel_cannot_serve(preset, overrides, engine, reason):
+    why = megakernel_unavailable(engine, ModelConfig.from_dict(config_dict(preset, **overrides)))
+    assert why is not None and re.search(reason, why), why
+
+
+def test_mk_small_is_a_geometry_the_megakernel_runs():
+    config = ModelConfig.from_dict(config_dict("mk-small"))
+    assert config.vocab_size == ModelConfig.from_dict(config_dict("default")).vocab_size
+    assert {"dense", "sparse"} <= set(config.mlp_types) and len(set(config.layer_types)) == 2
+    reason = megakernel_unavailable(MK_GPU, config)
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the reason, if any, is about this machine")
+    assert reason == "CUDA is not available (torch sees no GPU)"  # every model and setting check passed
+
+
+def test_an_explicit_megakernel_that_cannot_run_fails_with_the_reason(tiny_checkpoint, tmp_path):
+    with pytest.raises(ValueError, match="backend 'megakernel' needs device 'cuda'"):
+        EngineConfig(model=tiny_checkpoint, backend="megakernel", device="cpu")
+    with pytest.raises(ValueError, match=r"^backend 'megakernel' cannot serve tiny\d* here: .*head_dim 128"):
+        AsyncEngine.from_config(EngineConfig(model=tiny_checkpoint, backend="megakernel", device="cuda",
+                                             dtype="bfloat16"))
+    untied = config_only(tmp_path, tie_word_embeddings=False)
+    with pytest.raises(ValueError, match="tied embeddings"):
+        AsyncEngine.from_config(EngineConfig(model=untied, backend="megakernel", device="cuda", dtype="bfloat16"))
+
+
+# ---- the CLI ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("argv,device,dtype,backend", [
+    ([], "cpu", "float32", "auto"),
+    (["--device", "cuda"], "cuda", "bfloat16", "auto"),
+    (["--backend", "megakernel"], "cuda", "bfloat16", "megakernel"),
+    (["--backend", "torch", "--device", "cuda:1", "--dtype", "float32"], "cuda:1", "float32", "torch"),
+])
+def test_cli_flags_map_onto_the_engine_config(tiny_checkpoint, argv, device, dtype, backend):
+    engine, _ = configs(build_parser().parse_args(["--model", str(tiny_checkpoint), *argv]))
+    assert (engine.device, engine.dtype, engine.backend) == (device, dtype, backend)
+
+
+@pytest.mark.parametrize("overrides,argv,message", [
+    ({}, ["--device", "cpu"], "backend 'megakernel' needs device 'cuda'"),
+    ({}, ["--dtype", "float32"], "bfloat16 weights, not float32"),
+    ({}, ["--max-batch", "16"], "at most 8 rows per step"),
+    ({"hidden_size": 384}, [], r"hidden_size.* multiple of 256"),
+    ({"head_dim": 64}, [], "head_dim 128"),
+])
+def test_cli_megakernel_that_cannot_run_is_one_line_and_exit_2(tmp_path, overrides, argv, message, capsys,
+                                                                restore_logging):
+    model = config_only(tmp_path, **overrides)
+    assert main(["--model", str(model), "--backend", "megakernel", *argv]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith("python -m northmk.serve: error: backend 'megakernel' ")
+    assert re.search(message, err[0]), err[0]
+
+
+# ---- sampling on the device or on the host, per step -------------------------------------------
+async def test_greedy_rows_draw_on_the_device_with_the_host_paths_tokens_and_logprobs(engines):
+    sampler = ReferenceSampler()
+    device = await engines(device_sampler=sampler, max_batch=4)
+    host = await engines(max_batch=4)
+    asks = [dict(logprobs=0, max_tokens=20), dict(max_tokens=20), dict(logprobs=0, max_tokens=9)]
+    for engine in (device, host):
+        engine.results = await asyncio.gather(*[
+            run(engine, p, f"r{i}", **ask) for i, (p, ask) in enumerate(zip(PROMPTS, asks))])
+    assert sampler.draws and all(p.temperature == 0.0 for draw in sampler.draws for p in draw)
+    assert max(len(draw) for draw in sampler.draws) > 1  # rows shared device steps
+    for (ids, lps), (host_ids, host_lps), ask in zip(device.results, host.results, asks):
+        assert ids == host_ids
+        assert len(lps) == (len(ids) if "logprobs" in ask else 0)
+        for lp, host_lp in zip(lps, host_lps):
+            assert lp.top == [] == host_lp.top and lp.token_id == host_lp.token_id
+            assert math.isclose(lp.logprob, host_lp.logprob, rel_tol=1e-5, abs_tol=1e-5)
+
+
+async def test_seeded_device_draws_repeat_and_differ_from_the_hosts(engines):
+    sampler = ReferenceSampler()
+    device = await engines(device_sampler=sampler)
+    host = await engines()
+    params = dict(max_tokens=16, temperature=1.0, seed=11)
+    first, again = [(await run(device, PROMPTS[0], f"d{i}", **params))[0] for i in range(2)]
+    other = (await run(device, PROMPTS[0], "d-other", **{**params, "seed": 12}))[0]
+    on_host = (await run(host, PROMPTS[0], "h", **params))[0]
+    assert first == again and first != other
+    assert first[0] == on_host[0]  # the first token is sampled after prefill, on the host
+    assert first != on_host  # so the draws below did come from the device sampler
+    # One device draw per decode step: 15 per request after the first token, each of one row.
+    assert len(sampler.draws) == 3 * 15 and all(len(d) == 1 and d[0].temperature == 1.0 for d in sampler.draws)
+
+
+async def test_a_row_that_needs_the_host_takes_the_whole_step_there(engines):
+    # A row asking for top-logprob alternatives is sampled on the host, and so is every row
+    # that shares a step with it: the seeded row below draws the host path's tokens.
+    sampler = ReferenceSampler()
+    device = await engines(device_sampler=sampler, max_batch=2)
+    host = await engines(max_batch=2)
+    seeded = dict(max_tokens=12, temperature=1.0, seed=5)
+    expected = (await run(host, PROMPTS[0], "alone", **seeded))[0]
+    alone_on_device = (await run(device, PROMPTS[0], "alone", **seeded))[0]
+    assert alone_on_device != expected
+
+    sampler.draws.clear()
+    request = GenerationRequest("long", PROMPTS[1], SamplingParams(max_tokens=200, temperature=0.0, logprobs=2,
+                                                                   ignore_eos=True))
+    outputs = device.generate(request)
+    first = await anext(outputs)  # "long" is a decode row from here on
+    ids, _ = await run(device, PROMPTS[0], "seeded", **seeded)
+    assert ids == expected
+    rest = [out async for out in outputs]
+    lps = first.outputs[0].logprobs + [lp for out in rest for lp in out.outputs[0].logprobs]
+    assert len(lps) == 200 and all(len(lp.top) == 2 for lp in lps)
+    assert sampler.draws == []  # every step had the row that needs the host
