@@ -22,8 +22,12 @@ def tokenizer(tiny_checkpoint):
 async def make_engine(tiny_checkpoint):
     engines = []
 
-    async def make(**overrides):
+    async def make(device_sampler=None, **overrides):
+        """A started engine on the tiny checkpoint; device_sampler: draws steps on it (as the
+        megakernel backend's GPU sampler does) instead of on the host."""
         engine = AsyncEngine.from_config(EngineConfig(model=tiny_checkpoint, **overrides))
+        if device_sampler is not None:
+            engine.device_sampler = device_sampler
         await engine.start()
         engines.append(engine)
         return engine

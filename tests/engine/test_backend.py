@@ -37,23 +37,6 @@ class ReferenceSampler:
         return tokens.to(torch.int32), logprobs
 
 
-@pytest.fixture
-async def engines(tiny_checkpoint):
-    """engines(device_sampler=None, **config) -> a started engine on the tiny checkpoint."""
-    made = []
-
-    async def make(device_sampler=None, **overrides):
-        engine = AsyncEngine.from_config(EngineConfig(model=tiny_checkpoint, **overrides))
-        engine.device_sampler = device_sampler
-        await engine.start()
-        made.append(engine)
-        return engine
-
-    yield make
-    for engine in made:
-        await engine.shutdown()
-
-
 def config_only(tmp_path, preset="mk-small", **overrides):
     """A checkpoint directory with only config.json: enough for the checks made before loading."""
     (tmp_path / "config.json").write_text(json.dumps(config_dict(preset, **overrides)))
@@ -168,10 +151,10 @@ def test_cli_megakernel_that_cannot_run_is_one_line_and_exit_2(tmp_path, overrid
 
 
 # ---- sampling on the device or on the host, per step -------------------------------------------
-async def test_greedy_rows_draw_on_the_device_with_the_host_paths_tokens_and_logprobs(engines):
+async def test_greedy_rows_draw_on_the_device_with_the_host_paths_tokens_and_logprobs(make_engine):
     sampler = ReferenceSampler()
-    device = await engines(device_sampler=sampler, max_batch=4)
-    host = await engines(max_batch=4)
+    device = await make_engine(device_sampler=sampler, max_batch=4)
+    host = await make_engine(max_batch=4)
     asks = [dict(logprobs=0, max_tokens=20), dict(max_tokens=20), dict(logprobs=0, max_tokens=9)]
     for engine in (device, host):
         engine.results = await asyncio.gather(*[
@@ -186,10 +169,10 @@ async def test_greedy_rows_draw_on_the_device_with_the_host_paths_tokens_and_log
             assert math.isclose(lp.logprob, host_lp.logprob, rel_tol=1e-5, abs_tol=1e-5)
 
 
-async def test_seeded_device_draws_repeat_and_differ_from_the_hosts(engines):
+async def test_seeded_device_draws_repeat_and_differ_from_the_hosts(make_engine):
     sampler = ReferenceSampler()
-    device = await engines(device_sampler=sampler)
-    host = await engines()
+    device = await make_engine(device_sampler=sampler)
+    host = await make_engine()
     params = dict(max_tokens=16, temperature=1.0, seed=11)
     first, again = [(await run(device, PROMPTS[0], f"d{i}", **params))[0] for i in range(2)]
     other = (await run(device, PROMPTS[0], "d-other", **{**params, "seed": 12}))[0]
@@ -201,12 +184,12 @@ async def test_seeded_device_draws_repeat_and_differ_from_the_hosts(engines):
     assert len(sampler.draws) == 3 * 15 and all(len(d) == 1 and d[0].temperature == 1.0 for d in sampler.draws)
 
 
-async def test_a_row_that_needs_the_host_takes_the_whole_step_there(engines):
+async def test_a_row_that_needs_the_host_takes_the_whole_step_there(make_engine):
     # A row asking for top-logprob alternatives is sampled on the host, and so is every row
     # that shares a step with it: the seeded row below draws the host path's tokens.
     sampler = ReferenceSampler()
-    device = await engines(device_sampler=sampler, max_batch=2)
-    host = await engines(max_batch=2)
+    device = await make_engine(device_sampler=sampler, max_batch=2)
+    host = await make_engine(max_batch=2)
     seeded = dict(max_tokens=12, temperature=1.0, seed=5)
     expected = (await run(host, PROMPTS[0], "alone", **seeded))[0]
     alone_on_device = (await run(device, PROMPTS[0], "alone", **seeded))[0]
