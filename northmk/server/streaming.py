@@ -14,8 +14,8 @@ from typing import AsyncIterator, Iterable
 import msgspec
 from aiohttp import web
 
-from ..engine.types import RequestOutput
-from .errors import APIError
+from ..engine.types import EngineError, RequestOutput
+from .errors import APIError, as_api_error
 
 DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {
@@ -62,6 +62,26 @@ class EventStream:
         except ConnectionResetError:
             self.disconnected = True
             raise
+
+
+async def serve_events(request: web.Request, outputs: AsyncIterator, events: AsyncIterator[list[bytes]]
+                       ) -> web.StreamResponse:
+    """Streams `events` (batches of SSE payloads made from the engine iterator `outputs`).
+
+    A client that goes away ends the response quietly; an API or engine error after the
+    stream opened becomes an error event. Either way `outputs` is closed, aborting the request.
+    """
+    stream = EventStream(request)
+    async with contextlib.aclosing(outputs), contextlib.aclosing(events):
+        try:
+            await stream.open()
+            async for batch in events:
+                await stream.send(batch)
+        except ConnectionResetError:
+            return stream.response
+        except (APIError, EngineError) as error:
+            await stream.send_error(as_api_error(error))
+    return await stream.close()
 
 
 async def merge(iterators: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -15,10 +15,10 @@ from typing import Any
 from aiohttp import web
 
 from ...engine.constrained import ConstraintError, chat_logits_processors
-from ...engine.types import CompletionOutput, EngineError, FinishReason, GenerationRequest, RequestOutput
+from ...engine.types import CompletionOutput, FinishReason, GenerationRequest, RequestOutput
 from ...parsing.cohere import reasoning_enabled
 from .. import schemas
-from ..errors import APIError, InvalidRequest, as_api_error
+from ..errors import InvalidRequest
 from ..logprobs import chat_logprobs, prompt_logprobs
 from ..output_parser import OutputParser, ParsedDelta, SpecialTextParser
 from ..schemas import (
@@ -27,7 +27,7 @@ from ..schemas import (
     ChatCompletionRequest, ChatDelta, ChatLogprobs, PromptLogprobs, ToolCall, ToolCallFunction,
 )
 from ..state import PARSER_FACTORY, TOKENS
-from ..streaming import EventStream
+from ..streaming import serve_events
 from ..validation import check_chat, fit_max_tokens, sampling_params
 from .common import engine_of, iterate, model_name, new_id, now, read_request, start, trace_generation
 
@@ -242,17 +242,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _stream(request: web.Request, run: ChatRun, outputs) -> web.StreamResponse:
-    stream = EventStream(request)
-    async with contextlib.aclosing(outputs):
-        try:
-            await stream.open()
-            await stream.send(run.role_chunks())
-            async for _, output in outputs:
-                run.observe(output)
-                await stream.send([e for out in output.outputs for e in run.delta_chunks(out)])
-            await stream.send(run.usage_chunk())
-        except ConnectionResetError:
-            return stream.response
-        except (APIError, EngineError) as error:
-            await stream.send_error(as_api_error(error))
-    return await stream.close()
+    async def events():
+        yield run.role_chunks()
+        async for _, output in outputs:
+            run.observe(output)
+            yield [e for out in output.outputs for e in run.delta_chunks(out)]
+        yield run.usage_chunk()
+
+    return await serve_events(request, outputs, events())

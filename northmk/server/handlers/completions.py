@@ -16,14 +16,14 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from ...engine.constrained import ConstraintError, completion_logits_processors
-from ...engine.types import CompletionOutput, EngineError, GenerationRequest, RequestOutput
+from ...engine.types import CompletionOutput, GenerationRequest, RequestOutput
 from .. import schemas
 from ..schemas import UNSET
-from ..errors import APIError, InvalidRequest, as_api_error
+from ..errors import InvalidRequest
 from ..logprobs import completion_logprobs, echo_logprobs, extend, prompt_logprobs
 from ..schemas import Completion, CompletionChoice, CompletionLogprobs, CompletionRequest, PromptLogprobs
 from ..state import TOKENS
-from ..streaming import EventStream
+from ..streaming import serve_events
 from ..validation import check_completion, fit_max_tokens, prompt_batches, sampling_params
 from .common import engine_of, iterate, model_name, new_id, now, read_request, start, trace_generation
 
@@ -222,15 +222,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _stream(request: web.Request, run: CompletionRun, outputs) -> web.StreamResponse:
-    stream = EventStream(request)
-    async with contextlib.aclosing(outputs):
-        try:
-            await stream.open()
-            async for prompt, output in outputs:
-                await stream.send(run.delta_chunks(prompt, output))
-            await stream.send(run.usage_chunk())
-        except ConnectionResetError:
-            return stream.response
-        except (APIError, EngineError) as error:
-            await stream.send_error(as_api_error(error))
-    return await stream.close()
+    async def events():
+        async for prompt, output in outputs:
+            yield run.delta_chunks(prompt, output)
+        yield run.usage_chunk()
+
+    return await serve_events(request, outputs, events())
