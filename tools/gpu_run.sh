@@ -4,13 +4,15 @@
 #   SANITIZE=1  compute-sanitizer memcheck + racecheck on one step of a small 2-layer model
 #   DIAG=1      per-layer divergence of full-geometry steps (tools/mk_diagnose.py)
 #   TESTS=1     the GPU tests (pytest -k "$1")        BENCH=1  the decode benchmark (args after $1)
-#   SERVER=1    the server's API tests with the engine on the GPU (PyTorch backend)
+#   SERVER=1    the server's API tests with the engine on the GPU (the tiny model: PyTorch backend)
+#   PEER=1      the transformers peer alone (bench --peer-only, PEER_ARGS, its own PEER_TIMEOUT: its
+#               torch.compile of the full model takes minutes), into $OUT/peer
 #   tools/gpu_run.sh [pytest -k expr] [bench args...]
 # Pass NORTHMK_COMMIT=$(git rev-parse --short HEAD)[-dirty] from the host: the device copy has no git.
 # The wheels the image lacks come from tools/fetch_wheels.sh (carry .whl).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
-SANITIZE=${SANITIZE:-0} DIAG=${DIAG:-0} TESTS=${TESTS:-1} BENCH=${BENCH:-1} SERVER=${SERVER:-0}
+SANITIZE=${SANITIZE:-0} DIAG=${DIAG:-0} TESTS=${TESTS:-1} BENCH=${BENCH:-1} SERVER=${SERVER:-0} PEER=${PEER:-0}
 mkdir -p "$OUT"
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -29,7 +31,7 @@ export NORTHMK_LIB=$PWD/build/gpu/libnorthmk.so
 echo "build rc=$build_rc in $(( $(date +%s) - t0 ))s"
 [ $build_rc -eq 0 ] || { tail -40 "$OUT/build.log"; exit 1; }
 
-san_rc=- diag_rc=- tests_rc=- bench_rc=- server_rc=-
+san_rc=- diag_rc=- tests_rc=- bench_rc=- server_rc=- peer_rc=-
 if [ "$SANITIZE" = 1 ]; then
   for tool in memcheck racecheck; do
     t0=$(date +%s)
@@ -66,8 +68,16 @@ if [ "$BENCH" = 1 ]; then
   bench_rc=${PIPESTATUS[0]}
   echo "bench rc=$bench_rc in $(( $(date +%s) - t0 ))s"
 fi
-echo "== summary: build $build_rc, sanitize [$san_rc], diag $diag_rc, tests $tests_rc, server $server_rc, bench $bench_rc"
+if [ "$PEER" = 1 ]; then
+  t0=$(date +%s)
+  timeout ${PEER_TIMEOUT:-420} python3 -m northmk.bench decode --peer-only ${PEER_ARGS:---batch 1 8 --steps 256} \
+    --out "$OUT/peer" 2>&1 | tee "$OUT/peer.log" | tail -8
+  peer_rc=${PIPESTATUS[0]}
+  echo "peer rc=$peer_rc in $(( $(date +%s) - t0 ))s"
+fi
+echo "== summary: build $build_rc, sanitize [$san_rc], diag $diag_rc, tests $tests_rc, server $server_rc, bench $bench_rc, peer $peer_rc"
 [ "$DIAG" = 1 ] && grep -E "^ +(0|1|2|3|4|48|49) |^row|first divergence|routing errors" "$OUT/diag.log" | head -40
 [ "$TESTS" = 1 ] && grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -3
 [ "$BENCH" = 1 ] && grep -E "^batch|copy bandwidth|span" "$OUT/bench.log"
+[ "$PEER" = 1 ] && grep -E "^batch" "$OUT/peer.log"
 exit 0
