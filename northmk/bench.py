@@ -30,6 +30,7 @@ import time
 import traceback
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .checkpoint import synthetic_weights
@@ -124,21 +125,30 @@ def bench_megakernel(config, weights, batch: int, context: int, steps: int, warm
         _, tokens = mk.step(tokens, positions, tables)
         tokens.tolist()
     seconds = (time.perf_counter() - start) / steps
-    timing = profile(mk, tokens, positions, tables)
+    timing, task_times = profile(mk, tokens, positions, tables)
     mk.enable_debug()  # one more step, traced, for the experts it really routed to
     mk.step(tokens, positions, tables)
     distinct = routed_distinct(config, mk.trace(batch).experts)
     mk.close()
     return {"backend": MEGAKERNEL, "batch": batch, "context": context, "ms_per_step": seconds * 1e3,
-            "tok_s": batch / seconds, "distinct_experts": distinct, "profile": timing}
+            "tok_s": batch / seconds, "distinct_experts": distinct, "profile": timing,
+            "task_times": task_times}
 
 
-def profile(mk: Megakernel, tokens: torch.Tensor, positions: list[int], tables: list[torch.Tensor]) -> dict:
-    """One timed step: its span, and per opcode the tasks, the summed run and wait time (us)."""
+def profile(mk: Megakernel, tokens: torch.Tensor, positions: list[int], tables: list[torch.Tensor]
+            ) -> tuple[dict, torch.Tensor]:
+    """One timed step: summarize_tasks of its task times, and the raw times (Megakernel.task_times)."""
     mk.enable_timing()
     mk.step(tokens, positions, tables)
     torch.cuda.synchronize()
     t = mk.task_times()
+    return summarize_tasks(t), t
+
+
+def summarize_tasks(t: torch.Tensor) -> dict:
+    """Task times [tasks, 4] (wait, start, end ns; op | layer << 8) -> the step's span, the mean
+    layer time, per opcode the tasks and summed run / wait time (us), and per opcode the mean
+    over layers of its last task's end after the layer's first NORM task began (chain_us)."""
     ops = {}
     for op in Opcode:
         mine = t[(t[:, 3] & 0xFF) == op]
@@ -147,20 +157,19 @@ def profile(mk: Megakernel, tokens: torch.Tensor, positions: list[int], tables: 
                             "wait_us": (mine[:, 1] - mine[:, 0]).sum().item() / 1e3,
                             "max_run_us": (mine[:, 2] - mine[:, 1]).max().item() / 1e3}
     norms = t[(t[:, 3] & 0xFF) == Opcode.NORM]
-    layer_starts = [norms[norms[:, 3] >> 8 == layer][:, 1].min().item() for layer in (norms[:, 3] >> 8).unique()]
-    layer_us = (max(layer_starts) - min(layer_starts)) / 1e3 / max(1, len(layer_starts) - 1)
-    # The layer's critical path: per opcode, the mean over layers of its last task's end after
-    # the layer's first NORM task began.
-    chain: dict[str, list[float]] = {}
     layer_of = t[:, 3] >> 8
+    chain: dict[str, list[float]] = {}
+    starts = []
     for layer in (norms[:, 3] >> 8).unique():
         start = norms[norms[:, 3] >> 8 == layer][:, 1].min()
+        starts.append(start.item())
         for op in Opcode:
             mine = t[((t[:, 3] & 0xFF) == op) & (layer_of == layer)]
             if len(mine) and op not in (Opcode.FINAL_NORM, Opcode.LM_HEAD, Opcode.ARGMAX):
                 chain.setdefault(op.name, []).append((mine[:, 2].max() - start).item() / 1e3)
-    chain_us = {name: sum(v) / len(v) for name, v in chain.items()}
-    return {"span_us": t[:, 2].max().item() / 1e3, "layer_us": layer_us, "ops": ops, "chain_us": chain_us}
+    layer_us = (max(starts) - min(starts)) / 1e3 / max(1, len(starts) - 1)
+    return {"span_us": t[:, 2].max().item() / 1e3, "layer_us": layer_us, "ops": ops,
+            "chain_us": {name: sum(v) / len(v) for name, v in chain.items()}}
 
 
 def print_profile(prof: dict) -> None:
@@ -182,6 +191,11 @@ def routed_distinct(config: ModelConfig, experts: torch.Tensor) -> float:
 def megakernel_rows(args, config, weights, keep) -> None:
     for batch in args.batch:
         row = bench_megakernel(config, weights, batch, args.context, args.steps, args.warmup)
+        # Every task of the profiled step (wait, start, end ns; op | layer << 8), in the order of
+        # the schedule's concatenated per-SM lists, for timelines off the device.
+        path = Path(args.out) / f"task-times-b{batch}-c{args.context}.npy"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        np.save(path, row.pop("task_times").numpy())
         keep(row)
         print_profile(row["profile"])
         torch.cuda.empty_cache()  # the next batch's KV, then the peer, need the room

@@ -284,3 +284,30 @@ def test_a_failing_backend_keeps_the_rows_measured_before_it(tmp_path, monkeypat
     assert result["error"] == "OutOfMemoryError: CUDA out of memory (injected)"
     assert "FAILED: OutOfMemoryError" in notes.read_text()
     assert "out of memory (injected)" in capsys.readouterr().err
+
+
+def test_task_time_summary_follows_the_schedules_tasks():
+    """summarize_tasks on a step laid out as the kernel would time it: each SM runs its list
+    back to back from t = 0, every task 1 us (what the profile reports, on CPU)."""
+    from northmk.checkpoint_writer import config_dict
+    from northmk.megakernel import Opcode, Schedule
+
+    schedule = Schedule(ModelConfig.from_dict(config_dict("mk-small")), 4, [100, 37])
+    rows = []
+    for sm in range(schedule.num_sms):
+        for i, task in enumerate(schedule.tasks_of(sm)):
+            start = 1000 * i
+            rows.append([start, start, start + 1000, int(task["op"]) | int(task["layer"]) << 8])
+    t = torch.tensor(rows, dtype=torch.int64)
+    summary = bench.summarize_tasks(t)
+    ops = schedule.tasks["op"].tolist()
+    for op in Opcode:
+        if op in ops:
+            assert summary["ops"][op.name]["tasks"] == ops.count(op)
+            assert summary["ops"][op.name]["run_us"] == pytest.approx(ops.count(op))
+        else:
+            assert op.name not in summary["ops"]
+    assert summary["span_us"] == pytest.approx(max(len(schedule.tasks_of(sm)) for sm in range(4)))
+    assert set(summary["chain_us"]) >= {"NORM", "QKV", "ATTN", "OPROJ"}
+    assert summary["chain_us"]["NORM"] < summary["chain_us"]["OPROJ"]
+    assert summary["layer_us"] > 0
