@@ -33,7 +33,7 @@ extern "C" {
 
 /* Bumped on every incompatible change of a declaration below; nmk_abi_version() returns the
  * library's value and bindings refuse a library whose value differs from theirs. */
-#define NMK_ABI_VERSION 2
+#define NMK_ABI_VERSION 3
 
 /* ==== status, errors, versions ==== */
 
@@ -364,7 +364,29 @@ NMK_API nmk_status nmk_sample(const float *logits, uint32_t rows, uint32_t vocab
 /* A decode step is one persistent kernel: one CTA per SM runs its own list of tasks; a
  * task waits until a counter in device memory reaches its target, runs, then bumps its
  * signal counter. The schedule (host-built, cached per batch size and context bucket)
- * holds those lists. Counters are zeroed by the last CTA of every step. */
+ * holds those lists and the device work queues (v3):
+ *
+ *   - Queue q is an ordered array of ordinary tasks (same opcodes, fields and counters as
+ *     list tasks). Every list holds exactly one DRAIN(q) entry per queue. A CTA reaching
+ *     DRAIN(q) repeatedly claims the next unclaimed task of q (one atomic claim head per
+ *     queue, in queue order) and runs it as if it were the next task of its own list (wait
+ *     until counters[wait] >= target, run, bump signal), until q has no unclaimed task left;
+ *     then it continues its list. A wait target counts all signallers of the counter,
+ *     wherever they live (lists or queues). A CTA may claim ahead while it runs a task if
+ *     it runs its claims in claim order: the rule below keeps that safe too.
+ *   - Safety (nmk_schedule_check), so that every claim interleaving finishes: the
+ *     must-finish-before relation is acyclic. It is the union of (i) each list's order,
+ *     (ii) each queue's order, (iii) per list, the entry before DRAIN(q) before q's first
+ *     task and q's last task before DRAIN(q) (the list runs the whole queue in place of its
+ *     DRAIN), (iv) every signaller of a counter before every task waiting on it. Two
+ *     consequences, reported by name: a task of queue q waits only on counters signalled
+ *     by earlier tasks of q, by list tasks before DRAIN(q) in their own list, or by tasks
+ *     of a queue q' whose DRAIN comes before DRAIN(q) in every list; and a list task that
+ *     waits on a counter a task of queue q signals comes after DRAIN(q) in its list.
+ *
+ * Counters, then one count of finished CTAs, then the claim heads of the queues
+ * (counters[num_counters + 1 + q]) live together in device memory; the last CTA of every
+ * step zeroes them all. */
 
 enum { NMK_MK_MAX_BATCH = 8, NMK_MK_MAX_SPLITS = 64 };
 
@@ -393,7 +415,10 @@ typedef enum nmk_opcode {
     NMK_OP_LM_HEAD = 10,   /* vocab rows [x*lm_rows, ...) of embed @ h (final_norm): scaled
                             * logits, per-tile argmax */
     NMK_OP_ARGMAX = 11,    /* row x: greedy token from the per-tile argmaxes */
-    NMK_OP_END = 12        /* one past the last opcode */
+    NMK_OP_DRAIN = 12,     /* list entries only: drain queue x (see above). y = z = 0, wait = -1,
+                            * target = 0, signal = -1; layer is free (the builder writes the
+                            * queue's layer) */
+    NMK_OP_END = 13        /* one past the last opcode */
 } nmk_opcode;
 
 typedef struct nmk_task {
@@ -424,6 +449,7 @@ typedef struct nmk_plan {
     int32_t lm_tiles;
     int32_t max_splits;       /* most attention splits of any row */
     int32_t num_counters;
+    int32_t num_queues;       /* device work queues (the builder: one per layer) */
 } nmk_plan;
 
 /* Model geometry as the megakernel and the schedule see it. Per-layer arrays have
@@ -449,18 +475,34 @@ NMK_API nmk_status nmk_schedule_create(const nmk_mk_geometry *geometry, uint32_t
 NMK_API void nmk_schedule_destroy(nmk_schedule *schedule);
 NMK_API nmk_status nmk_schedule_plan(const nmk_schedule *schedule, nmk_plan *out);
 
-/* The task lists, concatenated: SM s runs tasks[sm_offsets[s] .. sm_offsets[s + 1]).
+/* The task array: the lists, then the queues. SM s runs tasks[sm_offsets[s] ..
+ * sm_offsets[s + 1]) (sm_offsets[0] == 0); the queues follow (nmk_schedule_queues).
  * Owned by the schedule, valid until it is destroyed. */
 NMK_API nmk_status nmk_schedule_tasks(const nmk_schedule *schedule, const nmk_task **tasks,
                                       const uint32_t **sm_offsets, uint32_t *num_sms);
 
-/* NMK_OK when the lists are safe to run: a plan whose tiles fit the geometry and the
- * kernel's limits, known opcodes (not the retired COMBINE), every task of the step exactly
- * once, each wait for all signallers of its counter and all of the stages it reads, no two
- * unordered stages sharing a buffer, no deadlock. Else NMK_ERR_INVALID_ARGUMENT with the
- * first violation as the last error. */
+/* Queue q holds tasks[queue_offsets[q] .. queue_offsets[q + 1]) of nmk_schedule_tasks'
+ * array; queue_offsets has *num_queues + 1 entries, queue_offsets[0] == sm_offsets[num_sms]
+ * and queue_offsets[*num_queues] is the array's length. Owned by the schedule. The builder
+ * makes one queue per layer l: its GATE_UP tasks (slot-major), ATTN tasks (row, kv head,
+ * split), DOWN tasks (slot-major), then OPROJ tasks; the lists hold the layer's NORM, QKV
+ * and ROUTER tiles, then DRAIN(l), and after the last layer FINAL_NORM, LM_HEAD, ARGMAX. */
+NMK_API nmk_status nmk_schedule_queues(const nmk_schedule *schedule, const uint32_t **queue_offsets,
+                                       uint32_t *num_queues);
+
+/* NMK_OK when the lists and queues are safe to run: a plan whose tiles fit the geometry and
+ * the kernel's limits, known opcodes (not the retired COMBINE), every task of the step
+ * exactly once across lists and queues, each wait for all signallers of its counter and all
+ * of the stages it reads, no two unordered stages sharing a buffer, well-formed DRAIN
+ * entries (a known queue, no wait or signal, exactly one per queue in every list, none in a
+ * queue), an acyclic must-finish-before relation (above) and a step that finishes. The
+ * array is as nmk_schedule_tasks and nmk_schedule_queues give it: queue_offsets has
+ * plan->num_queues + 1 nondecreasing entries starting at sm_offsets[num_sms]; it may be
+ * NULL only when plan->num_queues is 0. Else NMK_ERR_INVALID_ARGUMENT with the first
+ * violation as the last error. */
 NMK_API nmk_status nmk_schedule_check(const nmk_mk_geometry *geometry, const nmk_plan *plan,
-                                      const nmk_task *tasks, const uint32_t *sm_offsets, uint32_t num_sms);
+                                      const nmk_task *tasks, const uint32_t *sm_offsets, uint32_t num_sms,
+                                      const uint32_t *queue_offsets);
 
 /* ---- the megakernel (CUDA builds; NMK_ERR_UNSUPPORTED otherwise) ---- */
 
@@ -526,10 +568,12 @@ NMK_API nmk_status nmk_mk_debug_bytes(const nmk_mk *mk, uint64_t *out);
  * nmk_mk_debug_bytes, owned by the caller, alive while set). NULL turns recording off. */
 NMK_API nmk_status nmk_mk_set_debug(nmk_mk *mk, void *buffer, uint64_t bytes);
 
-/* Task timing, for profiling: from the next step on, task i of the step's concatenated
- * lists (i < capacity) writes buffer[4 i .. 4 i + 3] (device memory, owned by the caller,
- * alive while set): globaltimer ns when its wait began, when it started running, when it
- * ended, and op | layer << 8. Tasks at or past capacity are not timed. NULL turns it off. */
+/* Task timing, for profiling: from the next step on, task i of the step's task array
+ * (lists, then queues; i < capacity) writes buffer[4 i .. 4 i + 3] (device memory, owned
+ * by the caller, alive while set): globaltimer ns when its wait began, when it started
+ * running, when it ended, and op | layer << 8 | sm << 16, sm being the CTA that ran it (a
+ * queue task: the CTA that claimed it). DRAIN entries are not timed (their records are left
+ * as they were), nor are tasks at or past capacity. NULL turns it off. */
 NMK_API nmk_status nmk_mk_set_timing(nmk_mk *mk, uint64_t *buffer, uint32_t capacity);
 
 /* ==== end megakernel ==== */

@@ -146,30 +146,38 @@ def profile(mk: Megakernel, tokens: torch.Tensor, positions: list[int], tables: 
 
 
 def summarize_tasks(t: torch.Tensor) -> dict:
-    """Task times [tasks, 4] (wait, start, end ns; op | layer << 8) -> the step's span, the mean
-    layer time, per opcode the tasks and summed run / wait time (us), and per opcode the mean
-    over layers of its last task's end after the layer's first NORM task began (chain_us)."""
+    """Task times [tasks, 4] (wait, start, end ns; op | layer << 8 | sm << 16, sm the CTA that
+    ran it) -> the step's span, the mean layer time, per opcode the tasks and summed run / wait
+    time (us), per opcode the mean over layers of its last task's end after the layer's first
+    NORM task began (chain_us), and the summed run time of each SM's tasks: its mean, min and
+    max over the SMs that ran a task (sm_busy_us; records without the sm field count as SM
+    0's). DRAIN records, should a kernel write them, count only as opcode DRAIN."""
+    op_of, layer_of, sm_of = t[:, 3] & 0xFF, (t[:, 3] >> 8) & 0xFF, t[:, 3] >> 16
     ops = {}
     for op in Opcode:
-        mine = t[(t[:, 3] & 0xFF) == op]
+        mine = t[op_of == op]
         if len(mine):
             ops[op.name] = {"tasks": len(mine), "run_us": (mine[:, 2] - mine[:, 1]).sum().item() / 1e3,
                             "wait_us": (mine[:, 1] - mine[:, 0]).sum().item() / 1e3,
                             "max_run_us": (mine[:, 2] - mine[:, 1]).max().item() / 1e3}
-    norms = t[(t[:, 3] & 0xFF) == Opcode.NORM]
-    layer_of = t[:, 3] >> 8
+    norms = op_of == Opcode.NORM
     chain: dict[str, list[float]] = {}
     starts = []
-    for layer in (norms[:, 3] >> 8).unique():
-        start = norms[norms[:, 3] >> 8 == layer][:, 1].min()
+    for layer in layer_of[norms].unique():
+        start = t[norms & (layer_of == layer)][:, 1].min()
         starts.append(start.item())
         for op in Opcode:
-            mine = t[((t[:, 3] & 0xFF) == op) & (layer_of == layer)]
-            if len(mine) and op not in (Opcode.FINAL_NORM, Opcode.LM_HEAD, Opcode.ARGMAX):
+            mine = t[(op_of == op) & (layer_of == layer)]
+            if len(mine) and op not in (Opcode.FINAL_NORM, Opcode.LM_HEAD, Opcode.ARGMAX, Opcode.DRAIN):
                 chain.setdefault(op.name, []).append((mine[:, 2].max() - start).item() / 1e3)
-    layer_us = (max(starts) - min(starts)) / 1e3 / max(1, len(starts) - 1)
+    layer_us = (max(starts) - min(starts)) / 1e3 / max(1, len(starts) - 1) if starts else 0.0
+    work = op_of != Opcode.DRAIN
+    busy = torch.zeros(int(sm_of.max().item()) + 1 if len(t) else 0, dtype=torch.int64)
+    busy.index_add_(0, sm_of[work], t[work, 2] - t[work, 1])
+    busy = busy[torch.bincount(sm_of[work], minlength=len(busy)) > 0].double() / 1e3
+    sm_busy = {"mean": busy.mean().item(), "min": busy.min().item(), "max": busy.max().item()} if len(busy) else {}
     return {"span_us": t[:, 2].max().item() / 1e3, "layer_us": layer_us, "ops": ops,
-            "chain_us": {name: sum(v) / len(v) for name, v in chain.items()}}
+            "chain_us": {name: sum(v) / len(v) for name, v in chain.items()}, "sm_busy_us": sm_busy}
 
 
 def print_profile(prof: dict) -> None:
@@ -191,8 +199,9 @@ def routed_distinct(config: ModelConfig, experts: torch.Tensor) -> float:
 def megakernel_rows(args, config, weights, keep) -> None:
     for batch in args.batch:
         row = bench_megakernel(config, weights, batch, args.context, args.steps, args.warmup)
-        # Every task of the profiled step (wait, start, end ns; op | layer << 8), in the order of
-        # the schedule's concatenated per-SM lists, for timelines off the device.
+        # Every task the profiled step ran (wait, start, end ns; op | layer << 8 | sm << 16), in the
+        # order of the schedule's task array (lists, then queues) less its DRAIN entries, for
+        # timelines off the device.
         path = Path(args.out) / f"task-times-b{batch}-c{args.context}.npy"
         path.parent.mkdir(parents=True, exist_ok=True)
         np.save(path, row.pop("task_times").numpy())

@@ -1,8 +1,8 @@
 """ctypes bindings of the megakernel and its task schedule (the nmk_mk_* / nmk_schedule_*
 section of include/northmk.h); C prototypes beside their argtypes.
 
-    Schedule(config, num_sms, context_lens)   host-built per-SM task lists, always available
-    check_schedule(config, plan, tasks, sm_offsets)   the DAG checker on any task lists
+    Schedule(config, num_sms, context_lens)   host-built per-SM task lists and work queues, always available
+    check_schedule(config, plan, tasks, sm_offsets, queue_offsets)   the checker on any lists and queues
     Megakernel(config, weights, kv)           one decode step per launch (CUDA builds, sm_90)
 """
 
@@ -41,6 +41,7 @@ class Opcode(enum.IntEnum):
     FINAL_NORM = 9
     LM_HEAD = 10
     ARGMAX = 11
+    DRAIN = 12  # list entry: claim and run the tasks of queue x until none is left (ABI v3)
 
 
 class DebugStage(enum.IntEnum):
@@ -68,7 +69,7 @@ class Plan(ctypes.Structure):
     _fields_ = [(name, c_int32) for name in (
         "batch", "expert_slots", "norm_cols", "norm_tiles", "qkv_rows", "router_rows", "router_tiles", "oproj_rows",
         "moe_cols", "moe_down_rows", "dense_cols", "dense_down_rows", "lm_rows", "lm_tiles", "max_splits",
-        "num_counters")]
+        "num_counters", "num_queues")]
 
 
 class Geometry(ctypes.Structure):
@@ -106,9 +107,11 @@ _PROTOTYPES = {
     "nmk_schedule_plan": (c_int32, [c_void_p, POINTER(Plan)]),
     # nmk_status nmk_schedule_tasks(const nmk_schedule *, const nmk_task **, const uint32_t **, uint32_t *)
     "nmk_schedule_tasks": (c_int32, [c_void_p, POINTER(POINTER(Task)), POINTER(POINTER(c_uint32)), POINTER(c_uint32)]),
+    # nmk_status nmk_schedule_queues(const nmk_schedule *, const uint32_t **queue_offsets, uint32_t *num_queues)
+    "nmk_schedule_queues": (c_int32, [c_void_p, POINTER(POINTER(c_uint32)), POINTER(c_uint32)]),
     # nmk_status nmk_schedule_check(const nmk_mk_geometry *, const nmk_plan *, const nmk_task *,
-    #                               const uint32_t *sm_offsets, uint32_t num_sms)
-    "nmk_schedule_check": (c_int32, [POINTER(Geometry), POINTER(Plan), c_void_p, c_void_p, c_uint32]),
+    #                               const uint32_t *sm_offsets, uint32_t num_sms, const uint32_t *queue_offsets)
+    "nmk_schedule_check": (c_int32, [POINTER(Geometry), POINTER(Plan), c_void_p, c_void_p, c_uint32, c_void_p]),
     # nmk_status nmk_mk_create(const nmk_mk_geometry *, const nmk_mk_weights *, nmk_mk **out)
     "nmk_mk_create": (c_int32, [POINTER(Geometry), POINTER(Weights), POINTER(c_void_p)]),
     # void nmk_mk_destroy(nmk_mk *)
@@ -182,7 +185,9 @@ def _plan_dict(plan: Plan) -> dict[str, int]:
 
 
 class Schedule:
-    """Per-SM task lists of one decode step of len(context_lens) rows."""
+    """Task array of one decode step of len(context_lens) rows: the per-SM lists, then the
+    work queues. SM s runs tasks[sm_offsets[s]:sm_offsets[s + 1]]; queue q is
+    tasks[queue_offsets[q]:queue_offsets[q + 1]], drained by every SM at its DRAIN(q) entry."""
 
     def __init__(self, config: ModelConfig, num_sms: int, context_lens: list[int]):
         lib = _lib()
@@ -196,7 +201,10 @@ class Schedule:
             tasks, offsets, n = POINTER(Task)(), POINTER(c_uint32)(), c_uint32()
             check(lib.nmk_schedule_tasks(handle, byref(tasks), byref(offsets), byref(n)))
             self.sm_offsets = np.ctypeslib.as_array(offsets, (n.value + 1,)).copy()
-            count = int(self.sm_offsets[-1])
+            queue_offsets, nq = POINTER(c_uint32)(), c_uint32()
+            check(lib.nmk_schedule_queues(handle, byref(queue_offsets), byref(nq)))
+            self.queue_offsets = np.ctypeslib.as_array(queue_offsets, (nq.value + 1,)).copy()
+            count = int(self.queue_offsets[-1])
             raw = ctypes.string_at(ctypes.cast(tasks, c_void_p), count * ctypes.sizeof(Task))
             self.tasks = np.frombuffer(raw, dtype=TASK_DTYPE).copy()
             self.plan = _plan_dict(plan)
@@ -207,18 +215,39 @@ class Schedule:
     def num_sms(self) -> int:
         return len(self.sm_offsets) - 1
 
+    @property
+    def num_queues(self) -> int:
+        return len(self.queue_offsets) - 1
+
     def tasks_of(self, sm: int) -> np.ndarray:
+        """SM sm's list, DRAIN entries included."""
         return self.tasks[self.sm_offsets[sm]:self.sm_offsets[sm + 1]]
 
+    def queue(self, q: int) -> np.ndarray:
+        """The tasks of queue q, in claim order."""
+        return self.tasks[self.queue_offsets[q]:self.queue_offsets[q + 1]]
 
-def check_schedule(config: ModelConfig, plan: dict[str, int], tasks: np.ndarray, sm_offsets: np.ndarray) -> None:
-    """Raises NativeError naming the first violation when the task lists are unsafe to run."""
+
+def check_schedule(config: ModelConfig, plan: dict[str, int], tasks: np.ndarray, sm_offsets: np.ndarray,
+                   queue_offsets: np.ndarray | None = None) -> None:
+    """Raises NativeError naming the first violation when the lists and queues are unsafe to
+    run; ValueError when the offsets do not describe `tasks` (plan["num_queues"] + 1 queue
+    offsets, ending at len(tasks); None only without queues)."""
     geometry = _GeometryRef(config)
     tasks = np.ascontiguousarray(tasks, dtype=TASK_DTYPE)
     offsets = np.ascontiguousarray(sm_offsets, dtype=np.uint32)
+    queues = None if queue_offsets is None else np.ascontiguousarray(queue_offsets, dtype=np.uint32)
+    num_queues = plan.get("num_queues", 0)
+    if queues is not None and len(queues) != num_queues + 1:
+        raise ValueError(f"queue_offsets needs plan['num_queues'] + 1 = {num_queues + 1} entries, got {len(queues)}")
+    if queues is not None or not num_queues:  # else the library refuses the missing queue offsets
+        end = offsets if queues is None else queues
+        furthest = max((int(o.max()) for o in (offsets, end) if len(o)), default=0)
+        if not len(end) or int(end[-1]) != len(tasks) or furthest > len(tasks):
+            raise ValueError(f"the offsets must end at the task array's end ({len(tasks)} tasks) and not pass it")
     c_plan = Plan(**plan)
     check(_lib().nmk_schedule_check(byref(geometry.value), byref(c_plan), tasks.ctypes.data, offsets.ctypes.data,
-                                    len(offsets) - 1))
+                                    len(offsets) - 1, None if queues is None else queues.ctypes.data))
 
 
 @dataclass
@@ -295,14 +324,16 @@ class Megakernel:
         x, attn, mlp = (stages[:, s, :batch].clone() for s in DebugStage)
         return MegakernelTrace(x, attn, mlp, experts)
 
-    def enable_timing(self, capacity: int = 1 << 16) -> None:
-        """Time each task of every later step (the first `capacity` of its lists)."""
+    def enable_timing(self, capacity: int = 1 << 18) -> None:
+        """Time each task of every later step (the first `capacity` of its task array: lists,
+        then queues)."""
         self._timing = torch.zeros(capacity, 4, dtype=torch.int64, device=self.weights.device)
         check(_lib().nmk_mk_set_timing(self._handle, self._timing.data_ptr(), capacity))
 
     def task_times(self) -> torch.Tensor:
         """int64 [tasks, 4] of the last timed step: ns when each task's wait began, its run
-        began and it ended (globaltimer, relative to the step's first), and op | layer << 8."""
+        began and it ended (globaltimer, relative to the step's first), and op | layer << 8 |
+        sm << 16 (the CTA that ran it). DRAIN entries are not timed."""
         if getattr(self, "_timing", None) is None:
             raise RuntimeError("call enable_timing() before the step to time")
         t = self._timing[self._timing[:, 2] > 0].cpu()

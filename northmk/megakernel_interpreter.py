@@ -1,7 +1,9 @@
 """A PyTorch interpreter of the megakernel's instruction stream, for machines without a GPU.
 
 It runs a host-built Schedule task by task, in an order the counters allow (each SM's list
-in order, a task only once its counter reached its target), on the same buffers and with
+in order, a task only once its counter reached its target; an SM at DRAIN(q) claims the
+next unclaimed task of queue q and holds it until it may run, until q is exhausted), on
+the same buffers and with
 the same bf16 roundings as the kernel's tasks (cuda/mk/op_*.cuh), v0.3 semantics
 (include/northmk.h): NORM tiles write slices of x and their sums of squares, every reader
 of the normed input normalizes x itself, every sparse GATE_UP task routes from the router
@@ -10,6 +12,7 @@ reference (megakernel_oracle) it checks what the schedule builder decides: tile 
 attention splits, expert slots, the wiring of counters, the buffers each task reads and writes.
 
     run_schedule(config, weights, schedule, tokens, positions, tables, kv) -> (logits, MegakernelTrace)
+    execution_order(schedule) -> [(sm, task index)]   who runs what, in an order the counters allow
     route(router_logits, top_k), expert_slots(experts, num_slots)   the routing rule
 """
 
@@ -235,39 +238,85 @@ class _Step:
             self.down(layer, x, y)
         elif op == Opcode.LM_HEAD:
             self.lm_head(x)
+        elif op == Opcode.DRAIN:
+            raise ValueError("a DRAIN entry is not a task: execution_order claims its queue's tasks instead")
         # ARGMAX: the greedy token is logits.argmax, read by the caller
+
+
+def execution_order(schedule: Schedule) -> list[tuple[int, int]]:
+    """(sm, index into schedule.tasks) of every task but the DRAIN entries, in an order the
+    kernel may run them: round-robin over the SMs, each running as far as its waits allow;
+    an SM at DRAIN(q) claims queue q's next task and holds it until its wait is met, until q
+    has none left. Deterministic. RuntimeError if no SM can make progress (a deadlock)."""
+    tasks, num_sms = schedule.tasks, schedule.num_sms
+    ops, waits, targets, signals = (tasks[f].astype(int).tolist() for f in ("op", "wait", "target", "signal"))
+    queue_x = tasks["x"].astype(int).tolist()
+    counters = [0] * schedule.plan["num_counters"]
+    cursor = [int(o) for o in schedule.sm_offsets[:-1]]
+    ends = [int(o) for o in schedule.sm_offsets[1:]]
+    head = [int(o) for o in schedule.queue_offsets[:-1]]
+    queue_end = [int(o) for o in schedule.queue_offsets[1:]]
+    held: list[int | None] = [None] * num_sms  # the claimed queue task an SM waits to run
+    order: list[tuple[int, int]] = []
+
+    def ready(i: int) -> bool:
+        return waits[i] < 0 or counters[waits[i]] >= targets[i]
+
+    def run(sm: int, i: int) -> None:
+        order.append((sm, i))
+        if signals[i] >= 0:
+            counters[signals[i]] += 1
+
+    progressed = True
+    while progressed:
+        progressed = False
+        for sm in range(num_sms):
+            while cursor[sm] < ends[sm]:
+                i = cursor[sm]
+                if ops[i] == Opcode.DRAIN:
+                    q = queue_x[i]
+                    if q >= len(head):
+                        raise ValueError(f"SM {sm} drains queue {q}, the schedule has {len(head)}")
+                    if held[sm] is None:
+                        if head[q] == queue_end[q]:
+                            cursor[sm] += 1
+                            progressed = True
+                            continue
+                        held[sm], head[q] = head[q], head[q] + 1
+                        progressed = True
+                    if not ready(held[sm]):
+                        break
+                    run(sm, held[sm])
+                    held[sm] = None
+                    continue
+                if not ready(i):
+                    break
+                run(sm, i)
+                cursor[sm] += 1
+                progressed = True
+    stuck = [sm for sm in range(num_sms) if cursor[sm] < ends[sm]]
+    if stuck:
+        raise RuntimeError(f"deadlock: SMs {stuck[:8]} wait forever")
+    undrained = [q for q in range(len(head)) if head[q] < queue_end[q]]
+    if undrained:
+        raise RuntimeError(f"queues {undrained[:8]} are never drained: no list holds their DRAIN")
+    return order
 
 
 def run_schedule(config: ModelConfig, weights: ModelWeights, schedule: Schedule, tokens: torch.Tensor,
                  positions: list[int], tables: list[torch.Tensor], kv: PagedKVCache
                  ) -> tuple[torch.Tensor, MegakernelTrace]:
-    """Executes the schedule's tasks on CPU tensors (weights and kv on the CPU); writes k, v into
-    kv. Returns fp32 logits [B, V] and the per-layer records the kernel's debug capture makes.
-    Raises ValueError on rows that do not match the schedule's batch or a task with a retired
-    or unknown opcode, RuntimeError if no SM can make progress (a deadlock)."""
+    """Executes the schedule's tasks on CPU tensors (weights and kv on the CPU) in
+    execution_order; writes k, v into kv. Returns fp32 logits [B, V] and the per-layer records
+    the kernel's debug capture makes. Raises ValueError on rows that do not match the
+    schedule's batch or a task with a retired or unknown opcode, RuntimeError if no SM can
+    make progress (a deadlock)."""
     batch = schedule.plan["batch"]
     if tokens.shape != (batch,) or len(positions) != batch:
         raise ValueError(f"the schedule is for {batch} rows, got {tuple(tokens.shape)} tokens and "
                          f"{len(positions)} positions")
+    order = execution_order(schedule)
     step = _Step(config, weights, schedule.plan, tokens, positions, tables, kv)
-    counters = [0] * schedule.plan["num_counters"]
-    cursor = [0] * schedule.num_sms
-    remaining = len(schedule.tasks)
-    while remaining:
-        progressed = False
-        for sm in range(schedule.num_sms):
-            tasks = schedule.tasks_of(sm)
-            while cursor[sm] < len(tasks):
-                t = tasks[cursor[sm]]
-                if t["wait"] >= 0 and counters[t["wait"]] < t["target"]:
-                    break
-                step.run(t)
-                if t["signal"] >= 0:
-                    counters[t["signal"]] += 1
-                cursor[sm] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            stuck = {sm: cursor[sm] for sm in range(schedule.num_sms) if cursor[sm] < len(schedule.tasks_of(sm))}
-            raise RuntimeError(f"deadlock: SMs {sorted(stuck)[:8]} wait forever")
+    for _, i in order:
+        step.run(schedule.tasks[i])
     return step.logits, step.trace

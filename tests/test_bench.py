@@ -287,27 +287,46 @@ def test_a_failing_backend_keeps_the_rows_measured_before_it(tmp_path, monkeypat
 
 
 def test_task_time_summary_follows_the_schedules_tasks():
-    """summarize_tasks on a step laid out as the kernel would time it: each SM runs its list
-    back to back from t = 0, every task 1 us (what the profile reports, on CPU)."""
+    """summarize_tasks on a step timed as the kernel would time it: the SMs run their lists and
+    drain the queues in the interpreter's order, every task 1 us, starting once its SM is free
+    and its wait is met; each record says which SM ran it (op | layer << 8 | sm << 16)."""
+    import numpy as np
+
     from northmk.checkpoint_writer import config_dict
     from northmk.megakernel import Opcode, Schedule
+    from northmk.megakernel_interpreter import execution_order
 
     schedule = Schedule(ModelConfig.from_dict(config_dict("mk-small")), 4, [100, 37])
-    rows = []
-    for sm in range(schedule.num_sms):
-        for i, task in enumerate(schedule.tasks_of(sm)):
-            start = 1000 * i
-            rows.append([start, start, start + 1000, int(task["op"]) | int(task["layer"]) << 8])
-    t = torch.tensor(rows, dtype=torch.int64)
-    summary = bench.summarize_tasks(t)
-    ops = schedule.tasks["op"].tolist()
+    tasks = schedule.tasks
+    rows = np.zeros((len(tasks), 4), dtype=np.int64)
+    clock, ready = [0] * schedule.num_sms, {}
+    for sm, i in execution_order(schedule):
+        wait, signal = int(tasks["wait"][i]), int(tasks["signal"][i])
+        start = max(clock[sm], ready.get(wait, 0))
+        rows[i] = [clock[sm], start, start + 1000, int(tasks["op"][i]) | int(tasks["layer"][i]) << 8 | sm << 16]
+        clock[sm] = start + 1000
+        if signal >= 0:
+            ready[signal] = max(ready.get(signal, 0), start + 1000)
+    timed = rows[rows[:, 2] > 0]  # DRAIN entries are not timed
+    summary = bench.summarize_tasks(torch.from_numpy(timed))
+    ops = tasks["op"][tasks["op"] != Opcode.DRAIN].tolist()
     for op in Opcode:
         if op in ops:
             assert summary["ops"][op.name]["tasks"] == ops.count(op)
             assert summary["ops"][op.name]["run_us"] == pytest.approx(ops.count(op))
         else:
             assert op.name not in summary["ops"]
-    assert summary["span_us"] == pytest.approx(max(len(schedule.tasks_of(sm)) for sm in range(4)))
-    assert set(summary["chain_us"]) >= {"NORM", "QKV", "ATTN", "OPROJ"}
-    assert summary["chain_us"]["NORM"] < summary["chain_us"]["OPROJ"]
+    assert summary["span_us"] == pytest.approx(max(clock) / 1e3)
+    per_sm = np.bincount(timed[:, 3] >> 16, minlength=schedule.num_sms)
+    assert (per_sm > 0).all()
+    assert summary["sm_busy_us"] == pytest.approx({"mean": per_sm.mean(), "min": per_sm.min(), "max": per_sm.max()})
+    assert set(summary["chain_us"]) >= {"NORM", "QKV", "ATTN", "OPROJ", "GATE_UP", "DOWN"}
+    assert summary["chain_us"]["NORM"] < summary["chain_us"]["ATTN"] < summary["chain_us"]["OPROJ"]
     assert summary["layer_us"] > 0
+
+    # DRAIN records, were a kernel to write them, count as DRAIN only: not as an SM's work, not in a chain.
+    drains = [[0, 0, int(max(clock)), int(Opcode.DRAIN) | l << 8 | sm << 16]
+              for sm in range(schedule.num_sms) for l in range(schedule.num_queues)]
+    with_drains = bench.summarize_tasks(torch.from_numpy(np.concatenate([timed, np.array(drains, dtype=np.int64)])))
+    assert with_drains["ops"]["DRAIN"]["tasks"] == schedule.num_sms * schedule.num_queues
+    assert with_drains["sm_busy_us"] == summary["sm_busy_us"] and with_drains["chain_us"] == summary["chain_us"]

@@ -12,7 +12,7 @@ import torch
 from northmk.checkpoint import synthetic_weights
 from northmk.config import PAGE_SIZE, ModelConfig
 from northmk.megakernel import Opcode, Schedule, check_schedule
-from northmk.megakernel_interpreter import _Step, rb, run_schedule
+from northmk.megakernel_interpreter import _Step, execution_order, rb, run_schedule
 from northmk.megakernel_oracle import AGREE, AGREE_LAYER, cosine, first_divergence, layer_report, reference_step
 from northmk.model.kv import BatchLayout, PagedKVCache
 from northmk.model.reference import route as reference_route
@@ -100,6 +100,37 @@ def test_a_wait_nobody_can_satisfy_is_a_deadlock(small):
         run_schedule(config, weights, schedule, TOKENS, [c - 1 for c in CONTEXTS], tables, kv)
 
 
+def test_the_sms_drain_each_queue_in_claim_order_and_run_every_task_once(small):
+    config, _ = small
+    s = Schedule(config, 7, CONTEXTS)
+    order = execution_order(s)
+    work = [i for i in range(len(s.tasks)) if s.tasks["op"][i] != Opcode.DRAIN]
+    assert sorted(i for _, i in order) == work
+    for sm in range(s.num_sms):  # each SM runs its own list in order, queue tasks in between
+        listed = [i for who, i in order if who == sm and i < s.queue_offsets[0]]
+        assert listed == [i for i in range(s.sm_offsets[sm], s.sm_offsets[sm + 1]) if i in set(work)]
+    for q in range(s.num_queues):
+        ran = [(sm, i) for sm, i in order if s.queue_offsets[q] <= i < s.queue_offsets[q + 1]]
+        assert len({sm for sm, _ in ran}) > 1, "several SMs help drain the queue"
+        for sm in range(s.num_sms):  # an SM claims in queue order, so its share runs in queue order
+            mine = [i for who, i in ran if who == sm]
+            assert mine == sorted(mine)
+
+
+def test_an_sm_holding_a_claimed_task_that_waits_on_a_later_one_deadlocks(small):
+    config, weights = small
+    kv, tables = cache(config, CONTEXTS)
+    schedule = Schedule(config, 1, CONTEXTS)
+    lo, hi = schedule.queue_offsets[2], schedule.queue_offsets[3]
+    queue = schedule.tasks[lo:hi].copy()
+    first_oproj = int(np.flatnonzero(queue["op"] == Opcode.OPROJ)[0])
+    schedule.tasks[lo:hi] = np.concatenate([queue[first_oproj:first_oproj + 1], np.delete(queue, first_oproj)])
+    with pytest.raises(NativeError, match="not earlier in the queue"):
+        check_schedule(config, schedule.plan, schedule.tasks, schedule.sm_offsets, schedule.queue_offsets)
+    with pytest.raises(RuntimeError, match=r"deadlock: SMs \[0\] wait forever"):
+        run_schedule(config, weights, schedule, TOKENS, [c - 1 for c in CONTEXTS], tables, kv)
+
+
 def test_norm_and_router_tasks_are_the_planned_tiles(small):
     config, _ = small
     s = Schedule(config, 7, CONTEXTS)
@@ -118,7 +149,7 @@ def test_a_combine_task_is_rejected(small):
     tasks = s.tasks.copy()
     tasks["op"][np.flatnonzero(tasks["op"] == Opcode.ATTN)[0]] = Opcode.COMBINE
     with pytest.raises(NativeError, match="retired opcode COMBINE"):
-        check_schedule(config, s.plan, tasks, s.sm_offsets)
+        check_schedule(config, s.plan, tasks, s.sm_offsets, s.queue_offsets)
     s.tasks = tasks
     kv, tables = cache(config, CONTEXTS)
     with pytest.raises(ValueError, match="COMBINE is retired"):

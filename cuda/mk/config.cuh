@@ -63,13 +63,15 @@ struct Params {
     int32_t *lm_best_index;
     // schedule
     const nmk_task *tasks;
-    const uint32_t *sm_offsets;
-    uint32_t *counters;    // [num_counters + 1]: the last one counts finished CTAs
+    const uint32_t *sm_offsets;     // SM s runs its list tasks[sm_offsets[s] .. sm_offsets[s + 1])
+    const uint32_t *queue_offsets;  // queue q: tasks[queue_offsets[q] .. queue_offsets[q + 1])
+    uint32_t *counters;    // [num_counters + 1 + num_queues]: the counters, finished CTAs, claim heads
     // debug capture (nmk_mk_set_debug), null when off
     float *debug;              // [num_layers + 1, NMK_MK_DEBUG_STAGES, B, H]
     int32_t *debug_experts;    // [num_layers, B, top_k]
-    // task timing (nmk_mk_set_timing), null when off: per task of the concatenated lists,
-    // globaltimer ns when its wait began, its run began and it ended, and op | layer << 8
+    // task timing (nmk_mk_set_timing), null when off: per task of the array (lists, then
+    // queues), globaltimer ns when its wait began, its run began and it ended, and
+    // op | layer << 8 | sm << 16
     uint64_t *timing;          // [timing_capacity, 4]
     uint32_t timing_capacity;
 };

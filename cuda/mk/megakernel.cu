@@ -29,9 +29,10 @@ T *device_alloc(size_t count, std::vector<void *> &owned) {
 
 struct DeviceSchedule {
     nmk_plan plan;
-    nmk_task *tasks;
+    nmk_task *tasks;          // the lists, then the queues
     uint32_t *sm_offsets;
-    uint32_t *counters;
+    uint32_t *queue_offsets;
+    uint32_t *counters;       // the counters, finished CTAs, the queues' claim heads
 };
 
 // Attention splits are sized for this many keys; a step may see fewer.
@@ -61,20 +62,19 @@ struct nmk_mk {
         if (it != schedules.end()) return it->second;
         nmk::schedule::Schedule s =
             nmk::schedule::build(geometry, num_sms, std::vector<int>(batch, key.second));
-        nmk::schedule::check(geometry, s.plan, s.per_sm);
-        std::vector<nmk_task> tasks;
-        std::vector<uint32_t> offsets{0};
-        for (const auto &list : s.per_sm) {
-            tasks.insert(tasks.end(), list.begin(), list.end());
-            offsets.push_back(static_cast<uint32_t>(tasks.size()));
-        }
-        DeviceSchedule d{s.plan, device_alloc<nmk_task>(tasks.size(), owned),
-                         device_alloc<uint32_t>(offsets.size(), owned),
-                         device_alloc<uint32_t>(s.plan.num_counters + 1, owned)};
-        cuda_check(cudaMemcpy(d.tasks, tasks.data(), tasks.size() * sizeof(nmk_task), cudaMemcpyHostToDevice), "copy tasks");
-        cuda_check(cudaMemcpy(d.sm_offsets, offsets.data(), offsets.size() * sizeof(uint32_t), cudaMemcpyHostToDevice),
-                   "copy offsets");
-        cuda_check(cudaMemset(d.counters, 0, (s.plan.num_counters + 1) * sizeof(uint32_t)), "zero counters");
+        nmk::schedule::check(geometry, s.plan, s.per_sm, s.queues);
+        const nmk::schedule::FlatSchedule f = nmk::schedule::flatten(s);
+        const size_t counters = s.plan.num_counters + 1 + s.plan.num_queues;
+        DeviceSchedule d{s.plan, device_alloc<nmk_task>(f.tasks.size(), owned),
+                         device_alloc<uint32_t>(f.sm_offsets.size(), owned),
+                         device_alloc<uint32_t>(f.queue_offsets.size(), owned), device_alloc<uint32_t>(counters, owned)};
+        auto upload = [](void *dst, const void *src, size_t bytes, const char *what) {
+            cuda_check(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice), what);
+        };
+        upload(d.tasks, f.tasks.data(), f.tasks.size() * sizeof(nmk_task), "copy tasks");
+        upload(d.sm_offsets, f.sm_offsets.data(), f.sm_offsets.size() * sizeof(uint32_t), "copy list offsets");
+        upload(d.queue_offsets, f.queue_offsets.data(), f.queue_offsets.size() * sizeof(uint32_t), "copy queue offsets");
+        cuda_check(cudaMemset(d.counters, 0, counters * sizeof(uint32_t)), "zero counters");
         return schedules.emplace(key, d).first->second;
     }
 };
@@ -256,7 +256,7 @@ NMK_API nmk_status nmk_mk_step(nmk_mk *mk, const nmk_mk_step_args *a, void *stre
         const DeviceSchedule &s = mk->schedule_for(static_cast<int>(a->batch), max_len);
         nmk::mk::Params p = mk->params;
         p.plan = s.plan;
-        p.tasks = s.tasks, p.sm_offsets = s.sm_offsets, p.counters = s.counters;
+        p.tasks = s.tasks, p.sm_offsets = s.sm_offsets, p.queue_offsets = s.queue_offsets, p.counters = s.counters;
         p.tokens = a->tokens, p.positions = a->positions;
         for (int g = 0; g < NMK_KV_MAX_GROUPS; g++) p.tables[g] = a->block_tables[g];
         p.table_cols = static_cast<int>(a->table_cols);

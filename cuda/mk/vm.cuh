@@ -82,25 +82,59 @@ __device__ __forceinline__ uint64_t global_ns() {
     return t;
 }
 
+// Task i of the step's array: prefetch its static weights, wait for its input, run, signal;
+// with timing on, record when it began waiting, ran and ended, and which SM ran it.
+template <int B>
+__device__ void run_one(const Params &p, uint32_t i, char *smem) {
+    const nmk_task t = p.tasks[i];
+    const bool timed = p.timing && i < p.timing_capacity;
+    uint64_t waited = timed ? global_ns() : 0;
+    if (t.wait >= 0) {
+        if (threadIdx.x == 0) prefetch_task(p, t);
+        wait_for(p.counters + t.wait, t.target);
+    }
+    uint64_t started = timed ? global_ns() : 0;
+    run_task<B>(p, t, smem);
+    if (t.signal >= 0) signal(p.counters + t.signal);
+    else __syncthreads();
+    if (timed && threadIdx.x == 0) {
+        uint64_t *r = p.timing + 4 * (size_t)i;
+        r[0] = waited, r[1] = started, r[2] = global_ns();
+        r[3] = t.op | (uint32_t)t.layer << 8 | (uint64_t)blockIdx.x << 16;
+    }
+}
+
+// DRAIN(q): claim queue q's tasks in order with an atomic head until it runs dry. Thread 0
+// claims the next task as soon as the current one is claimed, so the atomic's round trip
+// overlaps the current task (holding a later task of the queue never blocks an earlier one:
+// queue tasks wait only on earlier work).
+template <int B>
+__device__ void drain(const Params &p, int q, char *smem) {
+    const uint32_t first = p.queue_offsets[q], count = p.queue_offsets[q + 1] - first;
+    uint32_t *head = p.counters + p.plan.num_counters + 1 + q;
+    __shared__ uint32_t claimed;
+    uint32_t next = 0;
+    if (threadIdx.x == 0) next = atomicAdd(head, 1u);
+    for (;;) {
+        if (threadIdx.x == 0) {
+            claimed = next;
+            if (next < count) next = atomicAdd(head, 1u);
+        }
+        __syncthreads();
+        const uint32_t j = claimed;
+        __syncthreads();  // everyone has read `claimed` before thread 0 rewrites it
+        if (j >= count) return;
+        run_one<B>(p, first + j, smem);
+    }
+}
+
 template <int B>
 __device__ void run_list(const Params &p, char *smem) {
     const uint32_t begin = p.sm_offsets[blockIdx.x], end = p.sm_offsets[blockIdx.x + 1];
     for (uint32_t i = begin; i < end; i++) {
         const nmk_task t = p.tasks[i];
-        const bool timed = p.timing && i < p.timing_capacity;
-        uint64_t waited = timed ? global_ns() : 0;
-        if (t.wait >= 0) {
-            if (threadIdx.x == 0) prefetch_task(p, t);
-            wait_for(p.counters + t.wait, t.target);
-        }
-        uint64_t started = timed ? global_ns() : 0;
-        run_task<B>(p, t, smem);
-        if (t.signal >= 0) signal(p.counters + t.signal);
-        else __syncthreads();
-        if (timed && threadIdx.x == 0) {
-            uint64_t *r = p.timing + 4 * (size_t)i;
-            r[0] = waited, r[1] = started, r[2] = global_ns(), r[3] = t.op | (uint32_t)t.layer << 8;
-        }
+        if (t.op == NMK_OP_DRAIN) drain<B>(p, t.x, smem);
+        else run_one<B>(p, i, smem);
     }
 }
 
@@ -122,6 +156,7 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(const __grid_constant_
         __threadfence();
         if (atomicAdd(finished, 1u) == gridDim.x - 1) {
             for (int c = 0; c < p.plan.num_counters; c++) p.counters[c] = 0;
+            for (int q = 0; q < p.plan.num_queues; q++) finished[1 + q] = 0;  // claim heads
             *finished = 0;
             __threadfence();
         }

@@ -4,8 +4,7 @@
 
 struct nmk_schedule {
     nmk::schedule::Schedule schedule;
-    std::vector<nmk_task> tasks;        // per-SM lists, concatenated
-    std::vector<uint32_t> sm_offsets;   // [num_sms + 1]
+    nmk::schedule::FlatSchedule flat;  // the lists, then the queues, in one array
 };
 
 namespace {
@@ -37,11 +36,7 @@ NMK_API nmk_status nmk_schedule_create(const nmk_mk_geometry *geometry, uint32_t
         } catch (const std::invalid_argument &e) {
             throw nmk::Error(NMK_ERR_INVALID_ARGUMENT, e.what());
         }
-        s->sm_offsets.push_back(0);
-        for (const auto &list : s->schedule.per_sm) {
-            s->tasks.insert(s->tasks.end(), list.begin(), list.end());
-            s->sm_offsets.push_back(static_cast<uint32_t>(s->tasks.size()));
-        }
+        s->flat = nmk::schedule::flatten(s->schedule);
         *out = s.release();
         return NMK_OK;
     });
@@ -58,25 +53,47 @@ NMK_API nmk_status nmk_schedule_plan(const nmk_schedule *schedule, nmk_plan *out
 NMK_API nmk_status nmk_schedule_tasks(const nmk_schedule *schedule, const nmk_task **tasks,
                                       const uint32_t **sm_offsets, uint32_t *num_sms) {
     NMK_REQUIRE(schedule && tasks && sm_offsets && num_sms, "nmk_schedule_tasks: NULL argument");
-    *tasks = schedule->tasks.data();
-    *sm_offsets = schedule->sm_offsets.data();
+    *tasks = schedule->flat.tasks.data();
+    *sm_offsets = schedule->flat.sm_offsets.data();
     *num_sms = static_cast<uint32_t>(schedule->schedule.per_sm.size());
     return NMK_OK;
 }
 
+NMK_API nmk_status nmk_schedule_queues(const nmk_schedule *schedule, const uint32_t **queue_offsets,
+                                       uint32_t *num_queues) {
+    NMK_REQUIRE(schedule && queue_offsets && num_queues, "nmk_schedule_queues: NULL argument");
+    *queue_offsets = schedule->flat.queue_offsets.data();
+    *num_queues = static_cast<uint32_t>(schedule->schedule.queues.size());
+    return NMK_OK;
+}
+
 NMK_API nmk_status nmk_schedule_check(const nmk_mk_geometry *geometry, const nmk_plan *plan,
-                                      const nmk_task *tasks, const uint32_t *sm_offsets, uint32_t num_sms) {
+                                      const nmk_task *tasks, const uint32_t *sm_offsets, uint32_t num_sms,
+                                      const uint32_t *queue_offsets) {
     NMK_REQUIRE(geometry && plan && tasks && sm_offsets, "nmk_schedule_check: NULL argument");
     NMK_REQUIRE(num_sms >= 1, "nmk_schedule_check: num_sms must be >= 1");
+    NMK_REQUIRE(plan->num_queues >= 0 && plan->num_queues <= 65536,
+                "nmk_schedule_check: plan->num_queues must be in [0, 65536], got %d", plan->num_queues);
+    NMK_REQUIRE(queue_offsets || plan->num_queues == 0,
+                "nmk_schedule_check: queue_offsets is NULL but plan->num_queues is %d", plan->num_queues);
     return nmk::guard("nmk_schedule_check", [&] {
         auto g = geometry_of(geometry);
-        std::vector<std::vector<nmk_task>> per_sm(num_sms);
+        auto bad = [](const std::string &what) { throw nmk::Error(NMK_ERR_INVALID_ARGUMENT, what); };
+        if (sm_offsets[0] != 0) bad("sm_offsets[0] must be 0");
+        nmk::schedule::TaskLists per_sm(num_sms), queues(plan->num_queues);
         for (uint32_t s = 0; s < num_sms; s++) {
-            if (sm_offsets[s + 1] < sm_offsets[s]) throw nmk::Error(NMK_ERR_INVALID_ARGUMENT, "sm_offsets decrease");
+            if (sm_offsets[s + 1] < sm_offsets[s]) bad("sm_offsets decrease at SM " + std::to_string(s));
             per_sm[s].assign(tasks + sm_offsets[s], tasks + sm_offsets[s + 1]);
         }
+        if (queue_offsets && queue_offsets[0] != sm_offsets[num_sms])
+            bad("queue_offsets[0] must equal sm_offsets[num_sms] (the queues follow the lists), got " +
+                std::to_string(queue_offsets[0]) + " and " + std::to_string(sm_offsets[num_sms]));
+        for (int q = 0; q < plan->num_queues; q++) {
+            if (queue_offsets[q + 1] < queue_offsets[q]) bad("queue_offsets decrease at queue " + std::to_string(q));
+            queues[q].assign(tasks + queue_offsets[q], tasks + queue_offsets[q + 1]);
+        }
         try {
-            nmk::schedule::check(g, *plan, per_sm);
+            nmk::schedule::check(g, *plan, per_sm, queues);
         } catch (const std::runtime_error &e) {
             throw nmk::Error(NMK_ERR_INVALID_ARGUMENT, e.what());
         }

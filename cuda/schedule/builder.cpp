@@ -1,4 +1,4 @@
-// Lays a decode step out as per-SM task lists (see schedule.hpp).
+// Lays a decode step out as per-SM task lists and per-layer work queues (see schedule.hpp).
 #include <algorithm>
 #include <stdexcept>
 
@@ -33,13 +33,31 @@ struct Builder {
         return static_cast<int>(signallers.size()) - 1;
     }
 
-    // One task on the next SM in turn; it waits for everything that signals `wait`.
-    void add(uint8_t op, int layer, int x, int y, int z, int wait, int signal) {
+    nmk_task task(uint8_t op, int layer, int x, int y, int z, int wait, int signal) {
         nmk_task t{op, static_cast<uint8_t>(layer), static_cast<uint16_t>(x), static_cast<uint16_t>(y),
                    static_cast<uint16_t>(z), wait, wait < 0 ? 0u : signallers[wait], signal};
         if (signal >= 0) signallers[signal]++;
-        s.per_sm[cursor].push_back(t);
+        return t;
+    }
+
+    // One task on the next SM in turn; it waits for everything that signals `wait`.
+    void add(uint8_t op, int layer, int x, int y, int z, int wait, int signal) {
+        s.per_sm[cursor].push_back(task(op, layer, x, y, z, wait, signal));
         cursor = (cursor + 1) % s.num_sms();
+    }
+
+    // One task at the end of queue q.
+    void enqueue(int q, uint8_t op, int layer, int x, int y, int z, int wait, int signal) {
+        s.queues[q].push_back(task(op, layer, x, y, z, wait, signal));
+    }
+
+    // A new queue, drained by every SM at this point of its list; returns its index.
+    int drain(int layer) {
+        int q = static_cast<int>(s.queues.size());
+        s.queues.emplace_back();
+        for (auto &list : s.per_sm) list.push_back(nmk_task{NMK_OP_DRAIN, static_cast<uint8_t>(layer),
+                                                            static_cast<uint16_t>(q), 0, 0, -1, 0u, -1});
+        return q;
     }
 };
 
@@ -55,7 +73,10 @@ int pages_per_split(const Geometry &g, int num_sms, const std::vector<int> &lens
     return std::max(1, ceil_div(work, num_sms));
 }
 
-// Adds layer l's tasks; returns the counter that says the layer's residual inputs are done.
+// Adds layer l's tasks: NORM, QKV and ROUTER tiles to the lists, then DRAIN of the layer's
+// queue, which gets its GATE_UP, ATTN, DOWN and OPROJ tasks. Every wait of a queue task is on
+// list tasks before the DRAIN or on earlier tasks of the queue. Returns the counter that says
+// the layer's residual inputs are done.
 int add_layer(Builder &b, int l, int prev_done, const std::vector<int> &lens, int num_sms) {
     const Geometry &g = b.g;
     const nmk_plan &p = b.s.plan;
@@ -67,21 +88,23 @@ int add_layer(Builder &b, int l, int prev_done, const std::vector<int> &lens, in
     for (int x = 0; x < qkv_tiles(g, p); x++) b.add(NMK_OP_QKV, l, x, 0, 0, normed, qkv);
     if (!g.dense[l])
         for (int x = 0; x < p.router_tiles; x++) b.add(NMK_OP_ROUTER, l, x, 0, 0, normed, routed);
+    int q = b.drain(l);
 
     std::vector<int> slot_ready;
     for (int y = 0; y < mlp_slots(g, p, l); y++) {
         slot_ready.push_back(b.counter());
-        for (int x = 0; x < gate_up_tiles(g, p, l); x++) b.add(NMK_OP_GATE_UP, l, x, y, 0, routed, slot_ready[y]);
+        for (int x = 0; x < gate_up_tiles(g, p, l); x++)
+            b.enqueue(q, NMK_OP_GATE_UP, l, x, y, 0, routed, slot_ready[y]);
     }
     int pps = pages_per_split(g, num_sms, lens, l);
     for (int r = 0; r < p.batch; r++) {
         int n = splits_for(keys_seen(g, l, lens[r]), g.page_size, pps);
         for (int h = 0; h < g.num_kv_heads; h++)
-            for (int z = 0; z < n; z++) b.add(NMK_OP_ATTN, l, r, h, z | (n << 8), qkv, attn);
+            for (int z = 0; z < n; z++) b.enqueue(q, NMK_OP_ATTN, l, r, h, z | (n << 8), qkv, attn);
     }
     for (int y = 0; y < mlp_slots(g, p, l); y++)
-        for (int x = 0; x < down_tiles(g, p, l); x++) b.add(NMK_OP_DOWN, l, x, y, 0, slot_ready[y], done);
-    for (int x = 0; x < oproj_tiles(g, p); x++) b.add(NMK_OP_OPROJ, l, x, 0, 0, attn, done);
+        for (int x = 0; x < down_tiles(g, p, l); x++) b.enqueue(q, NMK_OP_DOWN, l, x, y, 0, slot_ready[y], done);
+    for (int x = 0; x < oproj_tiles(g, p); x++) b.enqueue(q, NMK_OP_OPROJ, l, x, 0, 0, attn, done);
     return done;
 }
 
@@ -95,7 +118,12 @@ nmk_plan make_plan(const Geometry &g, int num_sms, const std::vector<int> &lens)
     p.router_rows = kRouterRows;
     p.router_tiles = ceil_div(g.num_experts, kRouterRows);
     p.oproj_rows = tile_for(g.hidden, num_sms, kMaxOprojRows);
+    // Expert GATE_UP tiles of about one per SM, but the queue gets at least one per SM: with
+    // fewer, the SMs that come to it late find nothing to steal (batch 2: 96-column tiles made
+    // 128 of them for 132 SMs). Smaller tiles than that cost more than they balance: each one
+    // routes the layer and stages its input again.
     p.moe_cols = tile_for(p.expert_slots * g.moe_inter, num_sms, kMaxCols);
+    while (p.moe_cols > kTile && p.expert_slots * ceil_div(g.moe_inter, p.moe_cols) < num_sms) p.moe_cols -= kTile;
     p.moe_down_rows = tile_for(p.expert_slots * g.hidden, num_sms, kMaxMoeDownRows);
     p.dense_cols = tile_for(g.dense_inter, num_sms, kMaxCols);
     p.dense_down_rows = tile_for(g.hidden, num_sms, kMaxDenseDownRows);
@@ -155,7 +183,24 @@ Geometry Geometry::from_abi(const nmk_mk_geometry &a) {
 size_t Schedule::num_tasks() const {
     size_t n = 0;
     for (const auto &list : per_sm) n += list.size();
+    for (const auto &queue : queues) n += queue.size();
     return n;
+}
+
+FlatSchedule flatten(const Schedule &s) {
+    FlatSchedule f;
+    f.tasks.reserve(s.num_tasks());
+    f.sm_offsets.push_back(0);
+    for (const auto &list : s.per_sm) {
+        f.tasks.insert(f.tasks.end(), list.begin(), list.end());
+        f.sm_offsets.push_back(static_cast<uint32_t>(f.tasks.size()));
+    }
+    f.queue_offsets.push_back(static_cast<uint32_t>(f.tasks.size()));
+    for (const auto &queue : s.queues) {
+        f.tasks.insert(f.tasks.end(), queue.begin(), queue.end());
+        f.queue_offsets.push_back(static_cast<uint32_t>(f.tasks.size()));
+    }
+    return f;
 }
 
 int qkv_tiles(const Geometry &g, const nmk_plan &p) {
@@ -190,11 +235,12 @@ Schedule build(const Geometry &g, int num_sms, const std::vector<int> &context_l
     for (int r = 0; r < batch; r++) b.add(NMK_OP_ARGMAX, 0, r, 0, 0, logits, -1);
 
     int max_splits = 1;
-    for (const auto &list : b.s.per_sm)
-        for (const nmk_task &t : list)
+    for (const auto &queue : b.s.queues)
+        for (const nmk_task &t : queue)
             if (t.op == NMK_OP_ATTN) max_splits = std::max(max_splits, t.z >> 8);
     b.s.plan.max_splits = max_splits;
     b.s.plan.num_counters = static_cast<int>(b.signallers.size());
+    b.s.plan.num_queues = static_cast<int>(b.s.queues.size());
     return b.s;
 }
 

@@ -46,6 +46,34 @@ std::string describe(const nmk_task &t) {
 
 [[noreturn]] void fail(const std::string &what) { throw std::runtime_error("schedule: " + what); }
 
+// One task where it lives: entry pos of SM list `owner`, or task pos of queue `owner`.
+struct Entry {
+    const nmk_task *t;
+    bool queued;
+    int owner, pos;
+};
+
+std::string where(const Entry &e) {
+    return (e.queued ? "queue " : "SM ") + std::to_string(e.owner) + " #" + std::to_string(e.pos);
+}
+std::string describe(const Entry &e) { return where(e) + " " + describe(*e.t); }
+
+// The schedule as the checks read it: every entry of the lists and queues, the tasks (all but
+// DRAIN entries) and where each list drains each queue.
+struct View {
+    const TaskLists &per_sm, &queues;
+    std::vector<Entry> tasks;
+    std::vector<std::vector<int>> drain_at;  // [sm][queue]: position of DRAIN(queue), -1 if none
+
+    View(const TaskLists &lists, const TaskLists &qs) : per_sm(lists), queues(qs) {
+        for (size_t s = 0; s < per_sm.size(); s++)
+            for (size_t k = 0; k < per_sm[s].size(); k++)
+                if (per_sm[s][k].op != NMK_OP_DRAIN) tasks.push_back({&per_sm[s][k], false, int(s), int(k)});
+        for (size_t q = 0; q < queues.size(); q++)
+            for (size_t i = 0; i < queues[q].size(); i++) tasks.push_back({&queues[q][i], true, int(q), int(i)});
+    }
+};
+
 // Every task the step needs, exactly as build() names them, with the stages it reads.
 struct Expected {
     std::set<Key> tasks;
@@ -92,30 +120,60 @@ Expected expected_tasks(const Geometry &g, const nmk_plan &p, const std::map<Key
     return e;
 }
 
-void check_fields(const nmk_plan &p, const std::vector<std::vector<nmk_task>> &per_sm) {
-    for (const auto &list : per_sm)
-        for (const nmk_task &t : list) {
-            if (t.op == NMK_OP_COMBINE)
-                fail("retired opcode COMBINE (ATTN merges its splits since v0.3) in " + describe(t));
-            if (t.op < NMK_OP_NORM || t.op >= NMK_OP_END) fail("unknown opcode in " + describe(t));
-            if (t.wait < -1 || t.wait >= p.num_counters || t.signal < -1 || t.signal >= p.num_counters)
-                fail("counter out of range in " + describe(t));
-            if (t.op == NMK_OP_ATTN) {
-                int n = t.z >> 8;
-                if (n < 1 || n > p.max_splits || (t.z & 0xff) >= n) fail("bad attention split in " + describe(t));
-            }
-        }
+void check_task_fields(const nmk_plan &p, const Entry &e) {
+    const nmk_task &t = *e.t;
+    if (t.op == NMK_OP_COMBINE)
+        fail("retired opcode COMBINE (ATTN merges its splits since v0.3) in " + describe(e));
+    if (t.op < NMK_OP_NORM || t.op >= NMK_OP_END) fail("unknown opcode in " + describe(e));
+    if (t.op == NMK_OP_DRAIN) {
+        if (e.queued) fail("DRAIN inside a queue (queues hold ordinary tasks only): " + describe(e));
+        if (t.x >= p.num_queues)
+            fail("DRAIN of unknown queue " + std::to_string(t.x) + " (plan.num_queues = " +
+                 std::to_string(p.num_queues) + "): " + describe(e));
+        if (t.y || t.z || t.wait != -1 || t.target || t.signal != -1)
+            fail("DRAIN must have y = z = 0, wait = -1, target = 0 and signal = -1: " + describe(e));
+    }
+    if (t.wait < -1 || t.wait >= p.num_counters || t.signal < -1 || t.signal >= p.num_counters)
+        fail("counter out of range in " + describe(e));
+    if (t.op == NMK_OP_ATTN) {
+        int n = t.z >> 8;
+        if (n < 1 || n > p.max_splits || (t.z & 0xff) >= n) fail("bad attention split in " + describe(e));
+    }
 }
 
-// Each expected task exactly once, nothing else.
-void check_coverage(const Expected &e, const std::vector<std::vector<nmk_task>> &per_sm) {
-    std::set<Key> seen;
-    for (const auto &list : per_sm)
-        for (const nmk_task &t : list) {
-            Key k{t.op, t.layer, t.x, t.y, t.z};
-            if (!e.tasks.count(k)) fail("unexpected " + describe(t));
-            if (!seen.insert(k).second) fail("duplicate " + describe(t));
+// Fields in range; well-formed DRAIN entries, exactly one per queue in every list.
+void check_fields(const nmk_plan &p, View &v) {
+    v.drain_at.assign(v.per_sm.size(), std::vector<int>(p.num_queues, -1));
+    for (size_t s = 0; s < v.per_sm.size(); s++)
+        for (size_t k = 0; k < v.per_sm[s].size(); k++) {
+            const nmk_task &t = v.per_sm[s][k];
+            check_task_fields(p, {&t, false, int(s), int(k)});
+            if (t.op != NMK_OP_DRAIN) continue;
+            int &at = v.drain_at[s][t.x];
+            if (at >= 0)
+                fail("SM " + std::to_string(s) + "'s list drains queue " + std::to_string(t.x) + " twice (#" +
+                     std::to_string(at) + " and #" + std::to_string(k) + "); every list holds one DRAIN per queue");
+            at = int(k);
         }
+    for (size_t s = 0; s < v.per_sm.size(); s++)
+        for (int q = 0; q < p.num_queues; q++)
+            if (v.drain_at[s][q] < 0)
+                fail("SM " + std::to_string(s) + "'s list has no DRAIN of queue " + std::to_string(q) +
+                     "; every list holds one DRAIN per queue");
+    for (size_t q = 0; q < v.queues.size(); q++)
+        for (size_t i = 0; i < v.queues[q].size(); i++) check_task_fields(p, {&v.queues[q][i], true, int(q), int(i)});
+}
+
+// Each expected task exactly once across lists and queues, nothing else.
+void check_coverage(const Expected &e, const View &v) {
+    std::map<Key, const Entry *> seen;
+    for (const Entry &en : v.tasks) {
+        const nmk_task &t = *en.t;
+        Key k{t.op, t.layer, t.x, t.y, t.z};
+        if (!e.tasks.count(k)) fail("unexpected " + describe(en));
+        auto [it, fresh] = seen.emplace(k, &en);
+        if (!fresh) fail("duplicate " + describe(en) + ", also at " + where(*it->second));
+    }
     if (seen.size() != e.tasks.size()) {
         for (const Key &k : e.tasks)
             if (!seen.count(k)) {
@@ -129,41 +187,40 @@ void check_coverage(const Expected &e, const std::vector<std::vector<nmk_task>> 
 
 // Counters: a wait must be for all of its signallers, and they must cover the stages the
 // waiting task reads (the slot's own GATE_UP tiles for a DOWN task).
-void check_counters(const Expected &e, const nmk_plan &p, const std::vector<std::vector<nmk_task>> &per_sm,
-                    std::map<Stage, std::set<Stage>> &edges) {
+void check_counters(const Expected &e, const nmk_plan &p, const View &v, std::map<Stage, std::set<Stage>> &edges) {
     std::vector<std::map<Key, int>> signallers(p.num_counters);
     std::map<Key, int> stage_size;  // (op, layer, y or -1)
-    for (const auto &list : per_sm)
-        for (const nmk_task &t : list) {
-            stage_size[{t.op, t.layer, -1, 0, 0}]++;
-            stage_size[{t.op, t.layer, t.y, 0, 0}]++;
-            if (t.signal >= 0) {
-                signallers[t.signal][{t.op, t.layer, -1, 0, 0}]++;
-                signallers[t.signal][{t.op, t.layer, t.y, 0, 0}]++;
-            }
+    for (const Entry &en : v.tasks) {
+        const nmk_task &t = *en.t;
+        stage_size[{t.op, t.layer, -1, 0, 0}]++;
+        stage_size[{t.op, t.layer, t.y, 0, 0}]++;
+        if (t.signal >= 0) {
+            signallers[t.signal][{t.op, t.layer, -1, 0, 0}]++;
+            signallers[t.signal][{t.op, t.layer, t.y, 0, 0}]++;
         }
-    for (const auto &list : per_sm)
-        for (const nmk_task &t : list) {
-            const auto &needed = e.producers.at({t.op, t.layer});
-            if (t.wait < 0) {
-                if (!needed.empty()) fail("no wait, yet it reads earlier stages: " + describe(t));
-                continue;
-            }
-            uint32_t total = 0;
-            for (const auto &[stage, n] : signallers[t.wait])
-                if (std::get<2>(stage) == -1) total += n;
-            if (t.target != total) fail("target differs from the counter's signallers in " + describe(t));
-            for (const Stage &s : needed) {
-                int y = t.op == NMK_OP_DOWN ? t.y : -1;
-                Key k{s.first, s.second, y, 0, 0};
-                auto got = signallers[t.wait].find(k);
-                if (got == signallers[t.wait].end() || got->second != stage_size[k])
-                    fail("does not wait for all of a stage it reads: " + describe(t));
-                edges[s].insert({t.op, t.layer});
-            }
-            for (const auto &[stage, n] : signallers[t.wait])
-                edges[{std::get<0>(stage), std::get<1>(stage)}].insert({t.op, t.layer});
+    }
+    for (const Entry &en : v.tasks) {
+        const nmk_task &t = *en.t;
+        const auto &needed = e.producers.at({t.op, t.layer});
+        if (t.wait < 0) {
+            if (!needed.empty()) fail("no wait, yet it reads earlier stages: " + describe(en));
+            continue;
         }
+        uint32_t total = 0;
+        for (const auto &[stage, n] : signallers[t.wait])
+            if (std::get<2>(stage) == -1) total += n;
+        if (t.target != total) fail("target differs from the counter's signallers in " + describe(en));
+        for (const Stage &s : needed) {
+            int y = t.op == NMK_OP_DOWN ? t.y : -1;
+            Key k{s.first, s.second, y, 0, 0};
+            auto got = signallers[t.wait].find(k);
+            if (got == signallers[t.wait].end() || got->second != stage_size[k])
+                fail("does not wait for all of a stage it reads: " + describe(en));
+            edges[s].insert({t.op, t.layer});
+        }
+        for (const auto &[stage, n] : signallers[t.wait])
+            edges[{std::get<0>(stage), std::get<1>(stage)}].insert({t.op, t.layer});
+    }
 }
 
 // Two stages touching one buffer, one of them writing, must be ordered.
@@ -195,24 +252,191 @@ void check_hazards(const Geometry &g, const std::map<Stage, std::set<Stage>> &ed
         }
 }
 
-// Runs the step with every SM taking its next task as soon as it may; all must finish.
-void check_progress(const nmk_plan &p, const std::vector<std::vector<nmk_task>> &per_sm) {
+// The named cases of the must-finish-before rule (schedule.hpp): what a queue task may wait
+// on, and where a list task waiting on a queue must stand.
+void check_queue_waits(const nmk_plan &p, const View &v) {
+    // Per counter: the last list position of a signaller per SM, the last index per queue.
+    std::vector<std::map<int, int>> in_list(p.num_counters), in_queue(p.num_counters);
+    for (const Entry &en : v.tasks) {
+        if (en.t->signal < 0) continue;
+        int &last = (en.queued ? in_queue : in_list)[en.t->signal].try_emplace(en.owner, en.pos).first->second;
+        last = std::max(last, en.pos);
+    }
+    auto signaller = [&](bool queued, int owner, int pos) {
+        const nmk_task &t = (queued ? v.queues : v.per_sm)[owner][pos];
+        return describe(Entry{&t, queued, owner, pos});
+    };
+    for (const Entry &en : v.tasks) {
+        int c = en.t->wait;
+        if (c < 0) continue;
+        std::string waiter = "may deadlock: " + describe(en) + " waits on counter " + std::to_string(c) + ", which ";
+        if (!en.queued) {
+            for (const auto &[q, i] : in_queue[c])
+                if (v.drain_at[en.owner][q] > en.pos)
+                    fail(waiter + signaller(true, q, i) + " signals, yet it comes before DRAIN(" + std::to_string(q) +
+                         ") in its list");
+            continue;
+        }
+        int q = en.owner;
+        for (const auto &[s, k] : in_list[c])
+            if (k > v.drain_at[s][q])
+                fail(waiter + signaller(false, s, k) + " signals after DRAIN(" + std::to_string(q) + ") in its list");
+        for (const auto &[q2, i] : in_queue[c]) {
+            if (q2 == q) {
+                if (i >= en.pos) fail(waiter + signaller(true, q2, i) + " signals, not earlier in the queue");
+                continue;
+            }
+            for (size_t s = 0; s < v.per_sm.size(); s++)
+                if (v.drain_at[s][q2] > v.drain_at[s][q])
+                    fail(waiter + signaller(true, q2, i) + " signals, but DRAIN(" + std::to_string(q2) +
+                         ") comes after DRAIN(" + std::to_string(q) + ") in SM " + std::to_string(s) + "'s list");
+        }
+    }
+}
+
+// The must-finish-before relation (schedule.hpp) must be acyclic. Nodes: list entries, queue
+// tasks, counters (a counter stands for all of its signallers).
+void check_acyclic(const nmk_plan &p, const View &v) {
+    std::vector<int> list_base, queue_base;
+    int n = 0;
+    for (const auto &list : v.per_sm) list_base.push_back(n), n += int(list.size());
+    for (const auto &queue : v.queues) queue_base.push_back(n), n += int(queue.size());
+    const int counter_base = n;
+    n += p.num_counters;
+    std::vector<std::vector<int>> out(n), in(n);
+    auto edge = [&](int a, int b) { out[a].push_back(b), in[b].push_back(a); };
+    auto task_edges = [&](int node, const nmk_task &t) {
+        if (t.wait >= 0) edge(counter_base + t.wait, node);
+        if (t.signal >= 0) edge(node, counter_base + t.signal);
+    };
+    for (size_t s = 0; s < v.per_sm.size(); s++)
+        for (size_t k = 0; k < v.per_sm[s].size(); k++) {
+            int node = list_base[s] + int(k);
+            const nmk_task &t = v.per_sm[s][k];
+            if (k) edge(node - 1, node);
+            task_edges(node, t);
+            if (t.op == NMK_OP_DRAIN && !v.queues[t.x].empty()) {
+                if (k) edge(node - 1, queue_base[t.x]);
+                edge(queue_base[t.x] + int(v.queues[t.x].size()) - 1, node);
+            }
+        }
+    for (size_t q = 0; q < v.queues.size(); q++)
+        for (size_t i = 0; i < v.queues[q].size(); i++) {
+            int node = queue_base[q] + int(i);
+            if (i) edge(node - 1, node);
+            task_edges(node, v.queues[q][i]);
+        }
+    // Kahn's order; whatever it cannot reach lies on or behind a cycle.
+    std::vector<int> pending(n), ready;
+    for (int u = 0; u < n; u++)
+        if (!(pending[u] = int(in[u].size()))) ready.push_back(u);
+    int done = 0;
+    while (!ready.empty()) {
+        int u = ready.back();
+        ready.pop_back();
+        done++;
+        for (int w : out[u])
+            if (!--pending[w]) ready.push_back(w);
+    }
+    if (done == n) return;
+    // Walk back along unfinished predecessors until a node repeats: it lies on a cycle. Report
+    // the shortest cycle through it (breadth first among the unfinished nodes).
+    int u = int(std::find_if(pending.begin(), pending.end(), [](int c) { return c > 0; }) - pending.begin());
+    std::vector<char> walked(n, 0);
+    while (!walked[u]) {
+        walked[u] = 1;
+        u = *std::find_if(in[u].begin(), in[u].end(), [&](int a) { return pending[a] > 0; });
+    }
+    std::vector<int> from(n, -1), frontier{u};
+    for (size_t i = 0; i < frontier.size() && from[u] < 0; i++)
+        for (int w : out[frontier[i]])
+            if (pending[w] > 0 && from[w] < 0) {
+                from[w] = frontier[i];
+                frontier.push_back(w);
+            }
+    std::vector<int> cycle{u};
+    for (int w = from[u]; w != u; w = from[w]) cycle.push_back(w);
+    std::reverse(cycle.begin() + 1, cycle.end());  // u, then in must-finish-before order
+    auto queue_of = [&](int node) {
+        if (queue_base.empty() || node < queue_base[0] || node >= counter_base) return -1;
+        return int(std::upper_bound(queue_base.begin(), queue_base.end(), node) - queue_base.begin()) - 1;
+    };
+    auto name = [&](int node) -> std::string {
+        if (node >= counter_base) return "counter " + std::to_string(node - counter_base);
+        int q = queue_of(node);
+        if (q >= 0) return describe(Entry{&v.queues[q][node - queue_base[q]], true, q, node - queue_base[q]});
+        int s = int(std::upper_bound(list_base.begin(), list_base.end(), node) - list_base.begin()) - 1;
+        return describe(Entry{&v.per_sm[s][node - list_base[s]], false, s, node - list_base[s]});
+    };
+    cycle.push_back(u);
+    std::vector<std::string> steps;
+    for (size_t i = 0; i < cycle.size(); i++) {
+        size_t j = i;  // a run along one queue's order prints as its ends
+        while (j + 1 < cycle.size() && queue_of(cycle[j]) >= 0 && queue_of(cycle[j + 1]) == queue_of(cycle[j]) &&
+               cycle[j + 1] == cycle[j] + 1)
+            j++;
+        steps.push_back(name(cycle[i]));
+        if (j > i + 1) steps.push_back("(queue " + std::to_string(queue_of(cycle[i])) + " in order)");
+        if (j > i) steps.push_back(name(cycle[j]));
+        i = j;
+    }
+    std::string what = "deadlock possible under some claim order: a cycle of must-finish-before: ";
+    for (size_t i = 0; i < steps.size(); i++) {
+        if (steps.size() > 16 && i == 8) {
+            what += "... -> ";
+            i = steps.size() - 8;
+        }
+        what += steps[i] + (i + 1 < steps.size() ? " -> " : "");
+    }
+    fail(what);
+}
+
+// Runs the step with every SM taking its next task as soon as it may; an SM at DRAIN(q)
+// claims the next task of q and holds it until it can run. All must finish.
+void check_progress(const nmk_plan &p, const View &v) {
     std::vector<uint32_t> counters(p.num_counters, 0);
-    std::vector<size_t> next(per_sm.size(), 0);
+    std::vector<size_t> next(v.per_sm.size(), 0), head(v.queues.size(), 0);
+    std::vector<long> held(v.per_sm.size(), -1);  // claimed task of the queue the SM drains
+    auto runnable = [&](const nmk_task &t) { return t.wait < 0 || counters[t.wait] >= t.target; };
+    auto finish = [&](const nmk_task &t) {
+        if (t.signal >= 0) counters[t.signal]++;
+    };
     for (bool moved = true; moved;) {
         moved = false;
-        for (size_t sm = 0; sm < per_sm.size(); sm++)
-            while (next[sm] < per_sm[sm].size()) {
-                const nmk_task &t = per_sm[sm][next[sm]];
-                if (t.wait >= 0 && counters[t.wait] < t.target) break;
-                if (t.signal >= 0) counters[t.signal]++;
+        for (size_t sm = 0; sm < v.per_sm.size(); sm++)
+            while (next[sm] < v.per_sm[sm].size()) {
+                const nmk_task &t = v.per_sm[sm][next[sm]];
+                if (t.op == NMK_OP_DRAIN) {
+                    const auto &queue = v.queues[t.x];
+                    if (held[sm] < 0) {
+                        if (head[t.x] == queue.size()) {
+                            next[sm]++;
+                            moved = true;
+                            continue;
+                        }
+                        held[sm] = long(head[t.x]++);
+                        moved = true;
+                    }
+                    if (!runnable(queue[held[sm]])) break;
+                    finish(queue[held[sm]]);
+                    held[sm] = -1;
+                    continue;
+                }
+                if (!runnable(t)) break;
+                finish(t);
                 next[sm]++;
                 moved = true;
             }
     }
-    for (size_t sm = 0; sm < per_sm.size(); sm++)
-        if (next[sm] < per_sm[sm].size())
-            fail("deadlock: SM " + std::to_string(sm) + " never gets past " + describe(per_sm[sm][next[sm]]));
+    for (size_t sm = 0; sm < v.per_sm.size(); sm++) {
+        if (next[sm] == v.per_sm[sm].size()) continue;
+        const nmk_task &t = v.per_sm[sm][next[sm]];
+        std::string stuck = t.op == NMK_OP_DRAIN
+                                ? describe(Entry{&v.queues[t.x][held[sm]], true, t.x, int(held[sm])}) +
+                                      ", claimed at its DRAIN(" + std::to_string(t.x) + ")"
+                                : describe(Entry{&t, false, int(sm), int(next[sm])});
+        fail("deadlock: SM " + std::to_string(sm) + " never gets past " + stuck);
+    }
 }
 
 }  // namespace
@@ -224,6 +448,7 @@ void check_plan(const Geometry &g, const nmk_plan &p) {
     need(p.batch >= 1 && p.batch <= NMK_MK_MAX_BATCH, "batch out of range");
     need(p.max_splits >= 1 && p.max_splits <= NMK_MK_MAX_SPLITS, "max_splits out of range");
     need(p.num_counters >= 0, "num_counters negative");
+    need(p.num_queues >= 0 && p.num_queues <= 65536, "num_queues must be in [0, 65536] (a DRAIN names its queue in x)");
     need(p.expert_slots == std::min(p.batch * g.top_k, g.num_experts),
          "expert_slots must be min(batch * top_k, experts)");
     need(p.norm_cols == kNormCols && p.norm_tiles == g.hidden / kNormCols,
@@ -242,23 +467,28 @@ void check_plan(const Geometry &g, const nmk_plan &p) {
     need(p.lm_tiles == (g.vocab + p.lm_rows - 1) / p.lm_rows, "lm_tiles must be ceil(vocab / lm_rows)");
 }
 
-void check(const Geometry &g, const nmk_plan &plan, const std::vector<std::vector<nmk_task>> &per_sm) {
+void check(const Geometry &g, const nmk_plan &plan, const TaskLists &per_sm, const TaskLists &queues) {
     g.validate();
     check_plan(g, plan);
-    check_fields(plan, per_sm);
+    if (static_cast<int>(queues.size()) != plan.num_queues)
+        fail("plan.num_queues is " + std::to_string(plan.num_queues) + " but " + std::to_string(queues.size()) +
+             " queues were given");
+    View v(per_sm, queues);
+    check_fields(plan, v);
     std::map<Key, int> attn_splits;
     std::set<Stage> stages;
-    for (const auto &list : per_sm)
-        for (const nmk_task &t : list) {
-            stages.insert({t.op, t.layer});
-            if (t.op == NMK_OP_ATTN) attn_splits[{NMK_OP_ATTN, t.layer, t.x, t.y, 0}] = t.z >> 8;
-        }
+    for (const Entry &e : v.tasks) {
+        stages.insert({e.t->op, e.t->layer});
+        if (e.t->op == NMK_OP_ATTN) attn_splits[{NMK_OP_ATTN, e.t->layer, e.t->x, e.t->y, 0}] = e.t->z >> 8;
+    }
     Expected e = expected_tasks(g, plan, attn_splits);
-    check_coverage(e, per_sm);
+    check_coverage(e, v);
     std::map<Stage, std::set<Stage>> edges;
-    check_counters(e, plan, per_sm, edges);
+    check_counters(e, plan, v, edges);
     check_hazards(g, edges, stages);
-    check_progress(plan, per_sm);
+    check_queue_waits(plan, v);
+    check_acyclic(plan, v);
+    check_progress(plan, v);
 }
 
 }  // namespace nmk::schedule

@@ -1,9 +1,14 @@
-// Task schedule of one decode step: per-SM task lists and dependency counters.
+// Task schedule of one decode step: per-SM task lists, device work queues and dependency
+// counters.
 //
 // build() lays the forward pass out as stages (norm, qkv, router, gate_up, attention, down,
-// o-proj per layer; then final norm, lm_head, argmax), splits each stage into tiles, deals
-// the tiles round-robin over the SMs stage by stage, and wires each stage to the counter of
-// the stage it reads. check() proves a schedule safe to run. Semantics: v0.3 (northmk.h).
+// o-proj per layer; then final norm, lm_head, argmax) and splits each stage into tiles. Per
+// layer l the lists get the NORM, QKV and ROUTER tiles dealt round-robin, then DRAIN(l) on
+// every SM; queue l holds the layer's GATE_UP (slot-major), ATTN (row, kv head, split), DOWN
+// (slot-major) and OPROJ tasks, which the SMs drain by work stealing. FINAL_NORM, LM_HEAD
+// and ARGMAX are dealt to the lists after the last layer. Each stage waits on the counter
+// of the stage it reads. check() proves a schedule safe to run. Semantics: v0.3 tasks, ABI
+// v3 queues (northmk.h).
 #pragma once
 
 #include <cstdint>
@@ -45,24 +50,56 @@ struct Geometry {
     static Geometry from_abi(const nmk_mk_geometry &g);  // validated
 };
 
+using TaskLists = std::vector<std::vector<nmk_task>>;
+
 struct Schedule {
     nmk_plan plan{};
-    std::vector<std::vector<nmk_task>> per_sm;
+    TaskLists per_sm;  // SM s runs per_sm[s], DRAIN entries included
+    TaskLists queues;  // plan.num_queues of them
 
     int num_sms() const { return static_cast<int>(per_sm.size()); }
-    size_t num_tasks() const;
+    size_t num_tasks() const;  // lists and queues, DRAIN entries included
 };
+
+// The schedule as the kernel and the C ABI hold it: the lists, then the queues, in one array.
+// SM s runs tasks[sm_offsets[s] .. sm_offsets[s + 1]); queue q is tasks[queue_offsets[q] ..
+// queue_offsets[q + 1]), queue_offsets[0] == sm_offsets[num_sms].
+struct FlatSchedule {
+    std::vector<nmk_task> tasks;
+    std::vector<uint32_t> sm_offsets;     // [num_sms + 1]
+    std::vector<uint32_t> queue_offsets;  // [num_queues + 1]
+};
+FlatSchedule flatten(const Schedule &s);
 
 // context_lens[r]: tokens row r will see this step, its new token included (>= 1).
 // The schedule stays valid for any step whose lengths are <= these.
 Schedule build(const Geometry &g, int num_sms, const std::vector<int> &context_lens);
 
-// Throws std::runtime_error describing the first violation: a plan check_plan refuses,
-// unknown or retired (COMBINE) opcodes or fields out of range, a counter waited on whose
-// target differs from its number of signallers, a task waiting on something not strictly
-// before it (deadlock), a stage missing a producer it reads, two stages touching one buffer
-// unordered, or a step that cannot finish.
-void check(const Geometry &g, const nmk_plan &plan, const std::vector<std::vector<nmk_task>> &per_sm);
+// Throws std::runtime_error describing the first violation, in this order:
+//  - a plan check_plan refuses, or queues.size() != plan.num_queues;
+//  - unknown or retired (COMBINE) opcodes, counters or attention splits out of range;
+//  - a malformed DRAIN: in a queue, of an unknown queue, with y, z, wait, target or signal
+//    not 0 / -1, or a list without exactly one DRAIN(q) for some queue q;
+//  - a task missing, unexpected or present twice (across lists and queues);
+//  - a counter waited on whose target differs from its number of signallers, or a wait
+//    that misses a stage the task reads;
+//  - two stages touching one buffer unordered;
+//  - a wait that may deadlock under some claim order. The rule: the must-finish-before
+//    relation is acyclic. Its edges: (i) consecutive entries of a list; (ii) consecutive
+//    tasks of a queue; (iii) in each list, the entry before DRAIN(q) -> q's first task and
+//    q's last task -> DRAIN(q) (the list runs all of q in place of DRAIN(q)); (iv) every
+//    signaller of a counter -> every task that waits on it. Why it suffices: in a stuck
+//    state, a CTA waits on an unfinished signaller, a list entry on the one before it, an
+//    unclaimed queue task on every CTA (none has passed DRAIN(q): each is stuck before it,
+//    or at it holding an earlier task of q), a task claimed ahead on its CTA's current one
+//    (earlier in the queue); following these backwards never ends, so it closes a cycle. Named special cases, checked first: a task of queue q
+//    may wait only on counters whose signallers are (a) earlier tasks of q, (b) list tasks
+//    before DRAIN(q) in their own list, or (c) tasks of a queue q' whose DRAIN comes before
+//    DRAIN(q) in every list; a list task waiting on a counter that a task of queue q
+//    signals must come after DRAIN(q) in its list;
+//  - a step that does not finish when every SM takes its next task as soon as it may (an SM
+//    at DRAIN(q) claims the next task of q and holds it until it can run).
+void check(const Geometry &g, const nmk_plan &plan, const TaskLists &per_sm, const TaskLists &queues);
 
 // Throws std::runtime_error when the plan's tiles do not fit the geometry, the batch or
 // the kernel's limits.

@@ -1,4 +1,5 @@
-"""The decode step's task schedule: per-SM lists the megakernel runs, proven safe on the CPU."""
+"""The decode step's task schedule: per-SM lists and the work queues the SMs drain, proven
+safe on the CPU."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 
 from northmk.config import ModelConfig
 from northmk.megakernel import MAX_SPLITS, Opcode, Schedule, check_schedule, unsupported_reason
+from northmk.megakernel_interpreter import execution_order
 from northmk.native import NativeError
 
 
@@ -31,13 +33,72 @@ def counts(s: Schedule) -> dict[Opcode, int]:
     return {Opcode(int(o)): int(c) for o, c in zip(ops, n)}
 
 
+def check(config: ModelConfig, s: Schedule) -> None:
+    check_schedule(config, s.plan, s.tasks, s.sm_offsets, s.queue_offsets)
+
+
 def test_full_geometry_schedule_passes_the_checker_at_every_batch():
     for batch in (1, 2, 5, 8):
         s = Schedule(north(), 132, [8192] * batch)
-        check_schedule(north(), s.plan, s.tasks, s.sm_offsets)
+        check(north(), s)
         assert s.num_sms == 132
         assert s.plan["batch"] == batch
         assert s.plan["expert_slots"] == min(8 * batch, 128)
+        assert s.plan["num_queues"] == s.num_queues == 49
+
+
+@pytest.mark.parametrize("num_sms, lens", [(132, [1]), (132, [8192, 1, 70]), (16, [300, 70, 1]), (7, [300, 2]),
+                                           (1, [64] * 3), (3, [5000] * 8)])
+def test_schedules_pass_the_checker_at_other_sizes(num_sms, lens):
+    for config in (SMALL, north(num_layers=3, sliding_window=128)):
+        check(config, Schedule(config, num_sms, lens))
+
+
+def test_each_layer_is_list_tiles_then_one_drain_per_sm_of_its_queue():
+    s = Schedule(SMALL, 8, [300, 70, 1])
+    assert s.queue_offsets[0] == s.sm_offsets[-1] and s.queue_offsets[-1] == len(s.tasks)
+    assert (np.diff(s.queue_offsets) > 0).all()
+    for sm in range(s.num_sms):
+        listed = s.tasks_of(sm)
+        drains = np.flatnonzero(listed["op"] == Opcode.DRAIN)
+        assert listed["x"][drains].tolist() == list(range(5)), "one DRAIN per queue, in layer order"
+        drained = listed[drains]
+        assert (drained["wait"] == -1).all() and (drained["signal"] == -1).all() and (drained["target"] == 0).all()
+        assert (drained["y"] == 0).all() and (drained["z"] == 0).all()
+        for layer, at in enumerate(drains):  # before DRAIN(l): layer l's list tiles, after it: later layers'
+            before, after = listed[:at], listed[at + 1:]
+            assert set(before["layer"][before["op"] != Opcode.DRAIN]) <= set(range(layer + 1))
+            assert not ((after["layer"] <= layer) & np.isin(after["op"], [Opcode.NORM, Opcode.QKV, Opcode.ROUTER])).any()
+    listed = np.concatenate([s.tasks_of(sm) for sm in range(s.num_sms)])
+    assert set(np.unique(listed["op"])) == {Opcode.NORM, Opcode.QKV, Opcode.ROUTER, Opcode.DRAIN, Opcode.FINAL_NORM,
+                                           Opcode.LM_HEAD, Opcode.ARGMAX}
+
+
+def test_queue_l_holds_gate_up_attention_down_and_oproj_in_order():
+    s = Schedule(SMALL, 8, [300, 70, 1])
+    p = s.plan
+    for layer in range(5):
+        q = s.queue(layer)
+        assert (q["layer"] == layer).all()
+        runs = [int(op) for i, op in enumerate(q["op"]) if i == 0 or op != q["op"][i - 1]]
+        assert runs == [Opcode.GATE_UP, Opcode.ATTN, Opcode.DOWN, Opcode.OPROJ]
+        for op in (Opcode.GATE_UP, Opcode.DOWN):  # slot-major, then tile
+            of = q[q["op"] == op]
+            assert [(int(y), int(x)) for x, y in zip(of["x"], of["y"])] == sorted(zip(of["y"].tolist(), of["x"].tolist()))
+            assert len(set(of["y"].tolist())) == (1 if layer == 0 else p["expert_slots"])
+        attn = q[q["op"] == Opcode.ATTN]
+        keys = [(int(r), int(h), int(z) & 0xFF) for r, h, z in zip(attn["x"], attn["y"], attn["z"])]
+        assert keys == sorted(keys) and {k[0] for k in keys} == {0, 1, 2}
+        oproj = q[q["op"] == Opcode.OPROJ]
+        assert oproj["x"].tolist() == list(range(len(oproj)))
+
+
+def test_every_sm_helps_drain_the_queues():
+    s = Schedule(SMALL, 8, [300, 70, 1])
+    order = execution_order(s)
+    assert sorted(i for _, i in order) == [i for i in range(len(s.tasks)) if s.tasks["op"][i] != Opcode.DRAIN]
+    queued = [sm for sm, i in order if i >= s.queue_offsets[0]]
+    assert len(set(queued)) > 1
 
 
 def test_every_stage_has_the_tiles_the_geometry_needs():
@@ -75,7 +136,15 @@ def test_about_one_task_per_sm_per_stage():
     p = Schedule(north(num_layers=2), 132, [100] * 8).plan
     assert -(-(4096 + 2 * 512) // p["qkv_rows"]) <= 132 < 2 * -(-(4096 + 2 * 512) // p["qkv_rows"])
     assert p["oproj_rows"] == 16  # 2048 rows over 132 SMs: the smallest tile
-    assert -(-64 * 768 // p["moe_cols"]) >= 132 // 2
+    assert p["moe_cols"] == 128  # 64 slots x 768 columns over 132 SMs: the widest tile, 3 per SM
+
+
+@pytest.mark.parametrize("batch", range(1, 9))
+def test_the_expert_queue_holds_at_least_one_gate_up_tile_per_sm(batch):
+    p = Schedule(north(num_layers=2), 132, [100] * batch).plan
+    tiles = lambda cols: p["expert_slots"] * -(-768 // cols)  # noqa: E731
+    assert tiles(p["moe_cols"]) >= 132
+    assert p["moe_cols"] == 128 or tiles(p["moe_cols"] + 16) < 132  # and no smaller tiles than that takes
     assert p["lm_rows"] == 512 and p["lm_tiles"] == 512  # 262144 rows: capped tiles, many per SM
 
 
@@ -126,34 +195,100 @@ def test_wait_targets_count_all_signallers():
     signals = np.bincount(s.tasks["signal"][s.tasks["signal"] >= 0], minlength=s.plan["num_counters"])
     waits = s.tasks[s.tasks["wait"] >= 0]
     assert (waits["target"] == signals[waits["wait"]]).all()
-    assert (s.tasks["wait"] < 0).sum() == s.plan["norm_tiles"], "only layer 0's norm tiles start without waiting"
+    work = s.tasks[s.tasks["op"] != Opcode.DRAIN]
+    assert (work["wait"] < 0).sum() == s.plan["norm_tiles"], "only layer 0's norm tiles start without waiting"
 
 
-def _mutated(s: Schedule, mutate) -> tuple[np.ndarray, np.ndarray]:
-    tasks, offsets = s.tasks.copy(), s.sm_offsets.copy()
-    return mutate(tasks, offsets)
+# A mutation takes and returns (tasks, sm_offsets, queue_offsets).
+def _mutated(s: Schedule, mutate) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return mutate(s.tasks.copy(), s.sm_offsets.copy(), s.queue_offsets.copy())
 
 
 @pytest.mark.parametrize(
     "name, mutate, message",
     [
-        ("unknown opcode", lambda t, o: (_set(t, 0, "op", 99), o), "unknown opcode"),
-        ("target too high", lambda t, o: (_bump(t, "target", 1), o), "target differs"),
-        ("missing task", lambda t, o: (np.delete(t, -1), np.minimum(o, len(t) - 1)), "missing task"),
-        ("duplicate task", lambda t, o: (np.insert(t, 0, t[-1]), np.r_[0, o[1:] + 1]), "duplicate"),
-        ("reversed list", lambda t, o: (_reverse_sm(t, o, 0), o), "deadlock"),
-        ("retired COMBINE", lambda t, o: (_set(t, int(np.flatnonzero(t["op"] == Opcode.ATTN)[0]), "op",
-                                               Opcode.COMBINE), o), "retired opcode COMBINE"),
-        ("a router tile missing", lambda t, o: _drop(t, o, Opcode.ROUTER), "missing task op=3"),
-        ("a norm tile missing", lambda t, o: _drop(t, o, Opcode.NORM), "missing task op=1"),
+        ("unknown opcode", lambda t, o, q: (_set(t, 0, "op", 99), o, q), "unknown opcode"),
+        ("target too high", lambda t, o, q: (_bump(t, "target", 1), o, q), "target differs"),
+        ("missing task", lambda t, o, q: _remove(t, o, q, len(t) - 1), "missing task"),
+        ("duplicate task", lambda t, o, q: _insert(t, o, q, 0, t[-1]), "duplicate"),
+        ("reversed list", lambda t, o, q: (_reverse_sm(t, o, 0), o, q), "deadlock"),
+        ("retired COMBINE", lambda t, o, q: (_set(t, int(np.flatnonzero(t["op"] == Opcode.ATTN)[0]), "op",
+                                                  Opcode.COMBINE), o, q), "retired opcode COMBINE"),
+        ("a router tile missing", lambda t, o, q: _drop(t, o, q, Opcode.ROUTER), "missing task op=3"),
+        ("a norm tile missing", lambda t, o, q: _drop(t, o, q, Opcode.NORM), "missing task op=1"),
+        ("an attention split missing", lambda t, o, q: _drop(t, o, q, Opcode.ATTN), "missing task op=4"),
+        # ---- queues ----
+        ("a queue task waits on a list task after its DRAIN", lambda t, o, q: _router_after_drain(t, o, q, 3, 1),
+         r"may deadlock: queue 1 #\d+ task\(op=7 .*which SM 3 #\d+ task\(op=3 .* signals after DRAIN\(1\) in its list"),
+        ("a list task before the DRAIN of a queue it waits on", lambda t, o, q: _norm_before_drain(t, o, q, 2, 1),
+         r"may deadlock: SM 2 #\d+ task\(op=1 layer=2 .*which queue 1 #\d+ .* yet it comes before DRAIN\(1\)"),
+        ("a queue task waits on a later one of its queue", lambda t, o, q: _oproj_first(t, o, q, 2),
+         r"may deadlock: queue 2 #0 task\(op=6 .*which queue 2 #\d+ task\(op=4 .* not earlier in the queue"),
+        ("a queue task waits on a queue drained later", lambda t, o, q: _attention_to_next_queue(t, o, q, 1),
+         r"may deadlock: queue 1 #\d+ task\(op=6 .*which queue 2 #\d+ task\(op=4 .* but DRAIN\(2\) comes after "
+         r"DRAIN\(1\) in SM 0's list"),
+        ("a norm tile after its layer's DRAIN", lambda t, o, q: _norm_after_drain(t, o, q, 4, 1),
+         r"deadlock possible under some claim order: a cycle of must-finish-before: .*SM 4 #\d+ task\(op=12 layer=1 "
+         r"x=1 .* -> SM 4 #\d+ task\(op=1 layer=1 "),
+        ("a cycle within a list", lambda t, o, q: _qkv_before_norm(t, o, q, 0),
+         r"deadlock possible under some claim order: a cycle of must-finish-before: SM 0 #"),
+        ("a missing DRAIN", lambda t, o, q: _remove(t, o, q, _drain_index(t, o, 3, 2)),
+         "SM 3's list has no DRAIN of queue 2; every list holds one DRAIN per queue"),
+        ("a DRAIN twice", lambda t, o, q: _insert(t, o, q, int(o[5]), t[_drain_index(t, o, 5, 1)]),
+         "SM 5's list drains queue 1 twice"),
+        ("a DRAIN with a wait", lambda t, o, q: (_set(_set(t, _drain_index(t, o, 1, 0), "wait", 0),
+                                                      _drain_index(t, o, 1, 0), "target", 1), o, q),
+         r"DRAIN must have y = z = 0, wait = -1, target = 0 and signal = -1: SM 1 #\d+ task\(op=12"),
+        ("a DRAIN with a signal", lambda t, o, q: (_set(t, _drain_index(t, o, 1, 0), "signal", 0), o, q),
+         "DRAIN must have y = z = 0, wait = -1, target = 0 and signal = -1"),
+        ("a DRAIN of an unknown queue", lambda t, o, q: (_set(t, _drain_index(t, o, 0, 4), "x", 5), o, q),
+         r"DRAIN of unknown queue 5 \(plan.num_queues = 5\)"),
+        ("a DRAIN inside a queue", lambda t, o, q: _insert(t, o, q, int(q[2]) + 1, t[_drain_index(t, o, 0, 0)]),
+         r"DRAIN inside a queue \(queues hold ordinary tasks only\): queue 2 #1"),
+        ("a task in a list and a queue", lambda t, o, q: _insert(t, o, q, 0, t[int(q[1])]),
+         r"duplicate queue 1 #0 task\(op=7 .*, also at SM 0 #0"),
+        ("decreasing queue offsets", lambda t, o, q: (t, o, _set_offset(q, 2, int(q[1]) - 1)),
+         "queue_offsets decrease at queue 1"),
+        ("queues not after the lists", lambda t, o, q: (t, o, _set_offset(q, 0, int(q[0]) - 1)),
+         r"queue_offsets\[0\] must equal sm_offsets\[num_sms\]"),
     ],
 )
 def test_checker_rejects_broken_schedules(name, mutate, message):
     s = Schedule(SMALL, 8, [200, 3])
-    check_schedule(SMALL, s.plan, s.tasks, s.sm_offsets)
-    tasks, offsets = _mutated(s, mutate)
+    check(SMALL, s)
+    tasks, offsets, queue_offsets = _mutated(s, mutate)
     with pytest.raises(NativeError, match=message):
-        check_schedule(SMALL, s.plan, tasks, offsets)
+        check_schedule(SMALL, s.plan, tasks, offsets, queue_offsets)
+
+
+def test_a_cycle_through_a_queue_is_found_and_reported():
+    """An SM whose only tile of layer 1 is a NORM tile moves it after DRAIN(1): the layer's QKV
+    and ROUTER tiles wait for it, queue 1 waits for them, and that SM leaves DRAIN(1) only
+    once queue 1 is done. No named rule sees it; the cycle goes through the whole queue."""
+    s = Schedule(SMALL, 132, [200, 3])
+    check(SMALL, s)
+    lone = [sm for sm in range(s.num_sms)
+            if set(map(int, s.tasks_of(sm)[s.tasks_of(sm)["layer"] == 1]["op"])) == {Opcode.NORM, Opcode.DRAIN}]
+    assert lone
+    tasks, offsets, queue_offsets = _mutated(s, lambda t, o, q: _norm_after_drain(t, o, q, lone[0], 1))
+    with pytest.raises(NativeError) as error:
+        check_schedule(SMALL, s.plan, tasks, offsets, queue_offsets)
+    message = str(error.value)
+    assert "deadlock possible under some claim order: a cycle of must-finish-before: " in message
+    assert f"SM {lone[0]} #2 task(op=12 layer=1 x=1 " in message and f"SM {lone[0]} #3 task(op=1 layer=1 " in message
+    assert "queue 1 #" in message and "may deadlock" not in message
+
+
+def test_queue_offsets_that_do_not_describe_the_array_are_refused():
+    s = Schedule(SMALL, 8, [200, 3])
+    with pytest.raises(ValueError, match="must end at the task array's end"):
+        check_schedule(SMALL, s.plan, s.tasks[:-1], s.sm_offsets, s.queue_offsets)
+    with pytest.raises(ValueError, match="must end at the task array's end"):
+        check_schedule(SMALL, s.plan, s.tasks, s.sm_offsets, _set_offset(s.queue_offsets.copy(), 2, len(s.tasks) + 5))
+    with pytest.raises(ValueError, match=r"queue_offsets needs plan\['num_queues'\] \+ 1 = 6 entries, got 5"):
+        check_schedule(SMALL, s.plan, s.tasks, s.sm_offsets, s.queue_offsets[:-1])
+    with pytest.raises(NativeError, match="queue_offsets is NULL but plan->num_queues is 5"):
+        check_schedule(SMALL, s.plan, s.tasks, s.sm_offsets)
 
 
 def _rewire(s: Schedule, op: Opcode, layer: int, to: Opcode) -> np.ndarray:
@@ -177,7 +312,7 @@ def test_checker_rejects_a_wait_on_the_wrong_stage(op, layer, to):
     s = Schedule(SMALL, 8, [64, 300])
     tasks = _rewire(s, op, layer, to)
     with pytest.raises(NativeError, match="does not wait for all of a stage it reads"):
-        check_schedule(SMALL, s.plan, tasks, s.sm_offsets)
+        check_schedule(SMALL, s.plan, tasks, s.sm_offsets, s.queue_offsets)
 
 
 def test_checker_rejects_a_wait_on_part_of_the_norm_tiles():
@@ -188,7 +323,7 @@ def test_checker_rejects_a_wait_on_part_of_the_norm_tiles():
     tasks["signal"][norm] = -1  # one NORM tile's sum of squares goes unwaited for
     tasks["target"][tasks["wait"] == normed] -= 1
     with pytest.raises(NativeError, match="does not wait for all of a stage it reads"):
-        check_schedule(SMALL, s.plan, tasks, s.sm_offsets)
+        check_schedule(SMALL, s.plan, tasks, s.sm_offsets, s.queue_offsets)
 
 
 @pytest.mark.parametrize("field, value, message", [
@@ -208,7 +343,7 @@ def test_checker_rejects_a_plan_the_kernel_cannot_run(field, value, message):
     s = Schedule(SMALL, 8, [64, 300])
     plan = dict(s.plan, **{field: value})
     with pytest.raises(NativeError, match=message):
-        check_schedule(SMALL, plan, s.tasks, s.sm_offsets)
+        check_schedule(SMALL, plan, s.tasks, s.sm_offsets, s.queue_offsets)
 
 
 def test_bad_requests_get_clear_errors():
@@ -256,7 +391,77 @@ def _reverse_sm(t, o, sm):
     return t
 
 
-def _drop(t, o, op):
-    """Removes the first task of `op`, shrinking the lists' offsets to match."""
-    i = int(np.flatnonzero(t["op"] == op)[0])
-    return np.delete(t, i), np.where(o > i, o - 1, o)
+def _remove(t, o, q, i):
+    """Removes task i, shrinking the offsets past it."""
+    return np.delete(t, i), np.where(o > i, o - 1, o), np.where(q > i, q - 1, q)
+
+
+def _insert(t, o, q, i, task):
+    """Inserts a copy of `task` at index i: at the front of the list or queue starting there."""
+    return np.insert(t, i, task.copy()), np.where(o > i, o + 1, o), np.where(q > i, q + 1, q)
+
+
+def _drop(t, o, q, op):
+    """Removes the first task of `op`."""
+    return _remove(t, o, q, int(np.flatnonzero(t["op"] == op)[0]))
+
+
+def _set_offset(offsets, i, value):
+    offsets[i] = value
+    return offsets
+
+
+def _find(tasks, op, layer, first=True):
+    """Index in `tasks` of the first (or last) task of op at layer; an AssertionError if none."""
+    hits = np.flatnonzero((tasks["op"] == op) & (tasks["layer"] == layer) if op != Opcode.DRAIN
+                          else (tasks["op"] == op) & (tasks["x"] == layer))
+    assert len(hits), (op, layer)
+    return int(hits[0] if first else hits[-1])
+
+
+def _drain_index(t, o, sm, queue):
+    return int(o[sm]) + _find(t[o[sm]:o[sm + 1]], Opcode.DRAIN, queue)
+
+
+def _move_in_list(t, o, q, sm, op, layer, before_op, before_layer, after=False):
+    """In SM sm's list, moves the first task of (op, layer) to just before (after=False) or
+    just after the first entry of (before_op, before_layer)."""
+    seg = t[o[sm]:o[sm + 1]].copy()
+    moved = seg[_find(seg, op, layer)].copy()
+    seg = np.delete(seg, _find(seg, op, layer))
+    at = _find(seg, before_op, before_layer) + int(after)
+    t[o[sm]:o[sm + 1]] = np.insert(seg, at, moved)
+    return t, o, q
+
+
+def _router_after_drain(t, o, q, sm, layer):
+    return _move_in_list(t, o, q, sm, Opcode.ROUTER, layer, Opcode.DRAIN, layer, after=True)
+
+
+def _norm_after_drain(t, o, q, sm, layer):
+    return _move_in_list(t, o, q, sm, Opcode.NORM, layer, Opcode.DRAIN, layer, after=True)
+
+
+def _norm_before_drain(t, o, q, sm, layer):
+    return _move_in_list(t, o, q, sm, Opcode.NORM, layer + 1, Opcode.DRAIN, layer)
+
+
+def _qkv_before_norm(t, o, q, sm):
+    return _move_in_list(t, o, q, sm, Opcode.QKV, 0, Opcode.NORM, 0)
+
+
+def _oproj_first(t, o, q, layer):
+    """Queue `layer` with its first OPROJ task moved to the front."""
+    seg = t[q[layer]:q[layer + 1]].copy()
+    i = _find(seg, Opcode.OPROJ, layer)
+    t[q[layer]:q[layer + 1]] = np.concatenate([seg[i:i + 1], np.delete(seg, i)])
+    return t, o, q
+
+
+def _attention_to_next_queue(t, o, q, layer):
+    """Queue `layer`'s ATTN tasks moved to the front of queue layer + 1."""
+    this, following = t[q[layer]:q[layer + 1]].copy(), t[q[layer + 1]:q[layer + 2]].copy()
+    attn = this["op"] == Opcode.ATTN
+    t[q[layer]:q[layer + 2]] = np.concatenate([this[~attn], this[attn], following])
+    q[layer + 1] = q[layer] + int((~attn).sum())
+    return t, o, q
