@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Downloads into .whl/ (git-ignored) the cp312 manylinux wheels that tools/gpu_run.sh installs on
 # the GPU machine, whose image (python 3.12, torch, transformers, aiohttp, uvloop, ...) lacks them
-# and reaches no package index. Versions are the ones installed in the environment running this
-# script (the one the CPU tests passed in), so both machines test the same code.
+# and reaches no package index; nvidia-cutlass carries the CUTLASS/CuTe headers the CUDA build
+# includes. Versions are the ones installed in the environment running this script (the one the
+# CPU tests passed in), so both machines test the same code.
 #   tools/fetch_wheels.sh            then pass carry=[".whl"] to the device call
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,6 +17,7 @@ packages=(
   pydantic pydantic-core annotated-types typing-inspection
   pytest pluggy iniconfig pytest-asyncio pytest-aiohttp pytest-timeout
   jsonschema jsonschema-specifications referencing rpds-py
+  nvidia-cutlass
 )
 platforms=()
 for p in manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux_2_24_x86_64 manylinux_2_27_x86_64 \

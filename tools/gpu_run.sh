@@ -5,6 +5,7 @@
 #   DIAG=1      per-layer divergence of full-geometry steps (tools/mk_diagnose.py)
 #   TESTS=1     the GPU tests (pytest -k "$1")        BENCH=1  the decode benchmark (args after $1)
 #   SERVER=1    the server's API tests with the engine on the GPU (the tiny model: PyTorch backend)
+#   GEMV=1      tools/gemv_bench.cu: the GEMV paths' bandwidth per shape, checked (GEMV_ARGS, e.g. --quick)
 #   PEER=1      the transformers peer alone (bench --peer-only, PEER_ARGS, its own PEER_TIMEOUT: its
 #               torch.compile of the full model takes minutes), into $OUT/peer
 #   tools/gpu_run.sh [pytest -k expr] [bench args...]
@@ -13,6 +14,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 SANITIZE=${SANITIZE:-0} DIAG=${DIAG:-0} TESTS=${TESTS:-1} BENCH=${BENCH:-1} SERVER=${SERVER:-0} PEER=${PEER:-0}
+GEMV=${GEMV:-0}
 mkdir -p "$OUT"
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -31,7 +33,13 @@ export NORTHMK_LIB=$PWD/build/gpu/libnorthmk.so
 echo "build rc=$build_rc in $(( $(date +%s) - t0 ))s"
 [ $build_rc -eq 0 ] || { tail -40 "$OUT/build.log"; exit 1; }
 
-san_rc=- diag_rc=- tests_rc=- bench_rc=- server_rc=- peer_rc=-
+san_rc=- diag_rc=- tests_rc=- bench_rc=- server_rc=- peer_rc=- gemv_rc=-
+if [ "$GEMV" = 1 ]; then
+  t0=$(date +%s)
+  timeout ${GEMV_TIMEOUT:-90} build/gpu/northmk_gemv_bench ${GEMV_ARGS:-} >"$OUT/gemv.log" 2>&1
+  gemv_rc=$?
+  echo "gemv bench rc=$gemv_rc in $(( $(date +%s) - t0 ))s"
+fi
 if [ "$SANITIZE" = 1 ]; then
   for tool in memcheck racecheck; do
     t0=$(date +%s)
@@ -75,7 +83,8 @@ if [ "$PEER" = 1 ]; then
   peer_rc=${PIPESTATUS[0]}
   echo "peer rc=$peer_rc in $(( $(date +%s) - t0 ))s"
 fi
-echo "== summary: build $build_rc, sanitize [$san_rc], diag $diag_rc, tests $tests_rc, server $server_rc, bench $bench_rc, peer $peer_rc"
+echo "== summary: build $build_rc, gemv $gemv_rc, sanitize [$san_rc], diag $diag_rc, tests $tests_rc, server $server_rc, bench $bench_rc, peer $peer_rc"
+[ "$GEMV" = 1 ] && tail -30 "$OUT/gemv.log"
 [ "$DIAG" = 1 ] && grep -E "^ +(0|1|2|3|4|48|49) |^row|first divergence|routing errors" "$OUT/diag.log" | head -40
 [ "$TESTS" = 1 ] && grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -3
 [ "$BENCH" = 1 ] && grep -E "^batch|copy bandwidth|span" "$OUT/bench.log"

@@ -1,0 +1,57 @@
+// make_weight_map: cuTensorMapEncodeTiled, looked up once through the CUDA runtime.
+// Compiled by the host compiler in every build; empty without CUDA.
+#if NORTHMK_HAS_CUDA
+#include "tensor_map.hpp"
+
+#include <cuda_runtime_api.h>
+#include <cudaTypedefs.h>
+
+#include <stdexcept>
+#include <string>
+
+namespace nmk::mk {
+namespace {
+
+using EncodeTiled = PFN_cuTensorMapEncodeTiled_v12000;
+
+EncodeTiled encode_tiled() {
+    static const EncodeTiled fn = [] {
+        void *p = nullptr;
+        cudaDriverEntryPointQueryResult found{};
+#if CUDART_VERSION >= 12050
+        cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &found);
+#else
+        cudaError_t e = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &p, cudaEnableDefault, &found);
+#endif
+        if (e != cudaSuccess || found != cudaDriverEntryPointSuccess || !p)
+            throw std::runtime_error(std::string("cuTensorMapEncodeTiled not found: ") + cudaGetErrorString(e) +
+                                     " (query result " + std::to_string(static_cast<int>(found)) + ")");
+        return reinterpret_cast<EncodeTiled>(p);
+    }();
+    return fn;
+}
+
+}  // namespace
+
+TensorMap make_weight_map(const void *base, uint64_t rows, uint64_t K, uint32_t box_rows) {
+    if (box_rows < 8 || box_rows > 256 || box_rows % 8)
+        throw std::runtime_error("make_weight_map: box rows " + std::to_string(box_rows) +
+                                 " not a multiple of 8 in [8, 256]");
+    TensorMap map{};
+    const cuuint64_t dims[2] = {K, rows};
+    const cuuint64_t strides[1] = {K * 2};  // bytes between rows
+    const cuuint32_t box[2] = {kTmaBoxCols, box_rows};
+    const cuuint32_t element_strides[2] = {1, 1};
+    const CUresult r = encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void *>(base), dims,
+                                      strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS)
+        throw std::runtime_error("cuTensorMapEncodeTiled failed: CUresult " + std::to_string(static_cast<int>(r)) +
+                                 " (rows " + std::to_string(rows) + ", K " + std::to_string(K) + ", box rows " +
+                                 std::to_string(box_rows) + ")");
+    return map;
+}
+
+}  // namespace nmk::mk
+#endif
