@@ -236,9 +236,13 @@ def git(*cmd: str) -> str:
 
 
 def git_commit() -> str:
+    """NORTHMK_COMMIT when set (the device copy of the tree may carry stale git metadata), else
+    the checkout's short HEAD (-dirty with local changes)."""
+    if os.environ.get("NORTHMK_COMMIT"):
+        return os.environ["NORTHMK_COMMIT"]
     commit = git("rev-parse", "--short", "HEAD")
     commit = f"{commit}-dirty" if commit and git("status", "--porcelain") else commit
-    return commit or os.environ.get("NORTHMK_COMMIT", "") or "uncommitted"  # device copies carry no git metadata
+    return commit or "uncommitted"
 
 
 def decode(args) -> dict:

@@ -330,3 +330,10 @@ def test_task_time_summary_follows_the_schedules_tasks():
     with_drains = bench.summarize_tasks(torch.from_numpy(np.concatenate([timed, np.array(drains, dtype=np.int64)])))
     assert with_drains["ops"]["DRAIN"]["tasks"] == schedule.num_sms * schedule.num_queues
     assert with_drains["sm_busy_us"] == summary["sm_busy_us"] and with_drains["chain_us"] == summary["chain_us"]
+
+
+def test_the_commit_given_by_the_caller_wins_over_the_checkouts(monkeypatch):
+    monkeypatch.setenv("NORTHMK_COMMIT", "abc1234-dirty")
+    assert bench.git_commit() == "abc1234-dirty"
+    monkeypatch.delenv("NORTHMK_COMMIT")
+    assert bench.git_commit() not in ("", "abc1234-dirty")  # this checkout's HEAD, or "uncommitted" without git
