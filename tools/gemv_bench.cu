@@ -34,7 +34,6 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
-#include <type_traits>
 #include <vector>
 
 #include "mk/common.cuh"
@@ -291,36 +290,7 @@ struct DotAsync {
 };
 
 // common.cuh's gemv() as the megakernel runs it (the mma.sync and mma.sync+pf paths).
-struct CommonDot {};
-
-// gemv()'s work split with the k loop `dot`: warps take 16-row tiles; with fewer tiles than warps
-// they split K as well and add through `red`. Ends with a barrier.
-template <class Dot, class Row>
-__device__ __forceinline__ void gemv_with(Dot dot, Row row, int n_rows, const bf16 *in, int K, float *out,
-                                          float *red, char *scratch) {
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int tiles = (n_rows + 15) / 16, ks = tiles >= kWarps ? 1 : kWarps / tiles, steps = K / 32;
-    const bf16 *x = in + g * in_stride(K) + 8 * t;
-    for (int item = warp; item < tiles * ks; item += kWarps) {
-        const int tile = item / ks, part = item % ks, r = tile * 16 + g;
-        const bf16 *lo = row(min(r, n_rows - 1)) + 8 * t, *hi = row(min(r + 8, n_rows - 1)) + 8 * t;
-        float c[4] = {0.f, 0.f, 0.f, 0.f};
-        dot(lo, hi, x, steps * part / ks * 32, steps * (part + 1) / ks * 32, c, scratch);
-        float *dst = ks == 1 ? out + tile * 128 : red + item * 128;
-        *reinterpret_cast<float2 *>(dst + g * 8 + 2 * t) = make_float2(c[0], c[1]);
-        *reinterpret_cast<float2 *>(dst + (g + 8) * 8 + 2 * t) = make_float2(c[2], c[3]);
-    }
-    __syncthreads();
-    if (ks > 1) {
-        for (int i = threadIdx.x; i < tiles * 128; i += kThreads) {
-            const int tile = i / 128, e = i % 128;
-            float s = 0.f;
-            for (int part = 0; part < ks; part++) s += red[(tile * ks + part) * 128 + e];
-            out[i] = s;
-        }
-        __syncthreads();
-    }
-}
+using CommonDot = TileDot;
 
 template <bool kPrefetch, class Dot>
 __global__ void __launch_bounds__(kThreads, 1) mma_kernel(const __grid_constant__ Args a) {
@@ -345,8 +315,7 @@ __global__ void __launch_bounds__(kThreads, 1) mma_kernel(const __grid_constant_
         const auto row = [&](int r) {
             return r < n0 ? W + (size_t)(bt.row0[0] + r) * K : W + (size_t)(bt.row0[1] + r - n0) * K;
         };
-        if constexpr (std::is_same_v<Dot, CommonDot>) gemv(row, a.rows, s.in, width, s.out, s.red);
-        else gemv_with(Dot{}, row, a.rows, s.in, width, s.out, s.red, s.extra);
+        gemv(row, a.rows, s.in, width, s.out, s.red, Dot{}, s.extra);
         write_out(s.out, a.out + (size_t)i * a.rows * 8, a.rows * 8);
         __syncthreads();
     }

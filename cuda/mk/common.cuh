@@ -127,11 +127,20 @@ __device__ __forceinline__ void tile_dot(const bf16 *lo, const bf16 *hi, const b
     for (; k < kb; k += 32) mma_k32(c, load_weight(lo + k), load_weight(hi + k), *reinterpret_cast<const uint4 *>(x + k));
 }
 
+// tile_dot as gemv's k loop; tools/gemv_bench.cu passes others (with shared scratch) in its place.
+struct TileDot {
+    __device__ __forceinline__ void operator()(const bf16 *lo, const bf16 *hi, const bf16 *x, int ka, int kb,
+                                               float c[4], char *) const {
+        tile_dot(lo, hi, x, ka, kb, c);
+    }
+};
+
 // out[r * 8 + n] = row(r) . in[n] for r < n_rows (out: shared fp32, [round_up(n_rows, 16)][8]).
 // Warps take 16-row tiles; with fewer tiles than warps they split K as well and add through
 // `red` (shared, 8 * 128 floats). K % 32 == 0. Ends with a barrier.
-template <class Row>
-__device__ __forceinline__ void gemv(Row row, int n_rows, const bf16 *in, int K, float *out, float *red) {
+template <class Row, class Dot = TileDot>
+__device__ __forceinline__ void gemv(Row row, int n_rows, const bf16 *in, int K, float *out, float *red, Dot dot = {},
+                                     char *scratch = nullptr) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int tiles = (n_rows + 15) / 16, ks = tiles >= kWarps ? 1 : kWarps / tiles, steps = K / 32;
     const bf16 *x = in + g * in_stride(K) + 8 * t;
@@ -139,7 +148,7 @@ __device__ __forceinline__ void gemv(Row row, int n_rows, const bf16 *in, int K,
         const int tile = item / ks, part = item % ks, r = tile * 16 + g;
         const bf16 *lo = row(min(r, n_rows - 1)) + 8 * t, *hi = row(min(r + 8, n_rows - 1)) + 8 * t;
         float c[4] = {0.f, 0.f, 0.f, 0.f};
-        tile_dot(lo, hi, x, steps * part / ks * 32, steps * (part + 1) / ks * 32, c);
+        dot(lo, hi, x, steps * part / ks * 32, steps * (part + 1) / ks * 32, c, scratch);
         float *dst = ks == 1 ? out + tile * 128 : red + item * 128;
         *reinterpret_cast<float2 *>(dst + g * 8 + 2 * t) = make_float2(c[0], c[1]);
         *reinterpret_cast<float2 *>(dst + (g + 8) * 8 + 2 * t) = make_float2(c[2], c[3]);
