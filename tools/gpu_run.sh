@@ -36,7 +36,8 @@ echo "build rc=$build_rc in $(( $(date +%s) - t0 ))s"
 san_rc=- diag_rc=- tests_rc=- bench_rc=- server_rc=- peer_rc=- gemv_rc=-
 if [ "$GEMV" = 1 ]; then
   t0=$(date +%s)
-  timeout ${GEMV_TIMEOUT:-90} build/gpu/northmk_gemv_bench ${GEMV_ARGS:-} >"$OUT/gemv.log" 2>&1
+  cmake --build build/gpu --target northmk_gemv_bench -j 16 >"$OUT/gemv.log" 2>&1 \
+    && timeout ${GEMV_TIMEOUT:-90} build/gpu/northmk_gemv_bench ${GEMV_ARGS:-} >>"$OUT/gemv.log" 2>&1
   gemv_rc=$?
   echo "gemv bench rc=$gemv_rc in $(( $(date +%s) - t0 ))s"
 fi
