@@ -3,9 +3,8 @@
 It runs a host-built Schedule task by task, in an order the counters allow (each SM's list
 in order, a task only once its counter reached its target; an SM at DRAIN(q) claims the
 next unclaimed task of queue q and holds it until it may run, until q is exhausted), on
-the same buffers and with
-the same bf16 roundings as the kernel's tasks (cuda/mk/op_*.cuh), v0.3 semantics
-(include/northmk.h): NORM tiles write slices of x and their sums of squares, every reader
+the same buffers and with the same bf16 roundings as the kernel's tasks (cuda/mk/op_*.cuh),
+v0.3 semantics (include/northmk.h): NORM tiles write slices of x and their sums of squares, every reader
 of the normed input normalizes x itself, every sparse GATE_UP task routes from the router
 logits, and an attention pair's last split to run merges its splits. Set beside the
 reference (megakernel_oracle) it checks what the schedule builder decides: tile sizes,
