@@ -55,40 +55,87 @@ __device__ __forceinline__ void unpack8(uint4 v, float out[8]) {
 // phase (two rows x four 16-byte chunks) hit 32 distinct banks.
 __host__ __device__ __forceinline__ int in_stride(int K) { return (K + 63) / 64 * 64 + 32; }
 
-// Copies rows x K bf16 (K % 8 == 0) from global scratch (src_stride apart) to a GEMV input.
+// Copies rows x K bf16 (K % 8 == 0) from global scratch (src_stride apart) to a GEMV input,
+// four 16-byte loads in flight per thread.
 __device__ __forceinline__ void stage_bf16(bf16 *dst, const bf16 *src, int rows, int K, int src_stride) {
-    const int chunks = K / 8, ds = in_stride(K);
-    for (int i = threadIdx.x; i < rows * chunks; i += kThreads) {
-        int r = i / chunks, c = i % chunks;
-        reinterpret_cast<uint4 *>(dst + r * ds)[c] = load_l2(reinterpret_cast<const uint4 *>(src + (size_t)r * src_stride) + c);
+    const int chunks = K / 8, ds = in_stride(K), total = rows * chunks;
+    for (int base = threadIdx.x; base < total; base += 4 * kThreads) {
+        uint4 v[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const int i = base + j * kThreads;
+            if (i < total)
+                v[j] = load_l2(reinterpret_cast<const uint4 *>(src + (size_t)(i / chunks) * src_stride) + i % chunks);
+        }
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const int i = base + j * kThreads;
+            if (i < total) reinterpret_cast<uint4 *>(dst + (i / chunks) * ds)[i % chunks] = v[j];
+        }
     }
 }
 
-// The normed residual as a GEMV input: h = bf16(round(x * rms) * weight), rms from the NORM
-// tiles' sums of squares (the roundings of the reference's RMSNorm). Ends with a barrier.
-__device__ __forceinline__ void stage_normed(bf16 *dst, const Params &p, const bf16 *weight, int rows, float *rms) {
-    const int H = p.hidden, ds = in_stride(H);
-    if (threadIdx.x < rows) {
+// ---- shared memory a CTA keeps across its tasks of a step -----------------------------------
+// A task's scratch is [0, kTaskSmemBytes); past it, what later tasks of the same layer reuse:
+// the normed input a GEMV staged at offset 0 and the routing of a sparse layer (op_router).
+constexpr int kTaskSmemBytes = 128 * 1024;
+constexpr int kMaxGemvItems = 32;  // (16-row tile, k part) work items of one GEMV, for `red`
+
+struct Kept {
+    int normed;  // whose normed input sits at offset 0: a layer, num_layers for the final norm, -1 none
+    int routed;  // the layer whose routing sits at kept_routing(), -1 none
+    float rms[NMK_MK_MAX_BATCH];  // stage_normed's scratch
+};
+
+__device__ __forceinline__ Kept &kept(char *smem) { return *reinterpret_cast<Kept *>(smem + kTaskSmemBytes); }
+
+// The normed residual as a GEMV input at smem offset 0 (in_stride(H) apart): h =
+// bf16(round(x * rms) * weight), rms from the NORM tiles' sums of squares (the roundings of
+// the reference's RMSNorm). `tag` names the norm (a layer, or num_layers for the final one):
+// when the CTA's last staging was the same, the input is still there and nothing is read.
+// Each thread loads its chunk of every row before the sums of squares come back. Ends with
+// a barrier.
+template <int B>
+__device__ __forceinline__ void stage_normed(char *smem, const Params &p, const bf16 *weight, int tag) {
+    Kept &k = kept(smem);
+    if (k.normed == tag) return;
+    bf16 *dst = reinterpret_cast<bf16 *>(smem);
+    float *rms = k.rms;
+    const int H = p.hidden, ds = in_stride(H), chunks = H / 8, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (warp < B) {
         float ss = 0.f;
-        for (int t = 0; t < p.plan.norm_tiles; t++) ss += load_l2(p.ss + threadIdx.x * kMaxNormTiles + t);
-        rms[threadIdx.x] = rsqrtf(ss / H + p.norm_eps);
+        for (int t = lane; t < p.plan.norm_tiles; t += 32) ss += load_l2(p.ss + warp * kMaxNormTiles + t);
+        ss = warp_sum(ss);
+        if (lane == 0) rms[warp] = rsqrtf(ss / H + p.norm_eps);
     }
-    __syncthreads();
-    const int chunks = H / 8;
-    for (int i = threadIdx.x; i < rows * chunks; i += kThreads) {
-        const int r = i / chunks, c = i % chunks;
-        const float4 *x = reinterpret_cast<const float4 *>(p.x + (size_t)r * H) + 2 * c;
-        float4 a = load_l2(x), b = load_l2(x + 1);
-        float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w}, w[8];
-        unpack8(reinterpret_cast<const uint4 *>(weight)[c], w);
-        uint4 out;
-        uint32_t *o = reinterpret_cast<uint32_t *>(&out);
+    // Chunk c of every row; the first round's loads are in flight across the barrier.
+    for (int c = threadIdx.x; c < (chunks + kThreads - 1) / kThreads * kThreads; c += kThreads) {
+        const bool mine = c < chunks;
+        float4 xa[B], xb[B];
+        uint4 w{};
 #pragma unroll
-        for (int j = 0; j < 4; j++)
-            o[j] = pack_bf16(round_bf16(v[2 * j] * rms[r]) * w[2 * j], round_bf16(v[2 * j + 1] * rms[r]) * w[2 * j + 1]);
-        reinterpret_cast<uint4 *>(dst + r * ds)[c] = out;
+        for (int r = 0; r < B; r++) {
+            const float4 *x = reinterpret_cast<const float4 *>(p.x + (size_t)r * H) + 2 * c;
+            if (mine) xa[r] = load_l2(x), xb[r] = load_l2(x + 1);
+        }
+        if (mine) w = reinterpret_cast<const uint4 *>(weight)[c];
+        if (c < kThreads) __syncthreads();  // rms; every thread's first round
+        if (!mine) continue;
+        float wf[8];
+        unpack8(w, wf);
+#pragma unroll
+        for (int r = 0; r < B; r++) {
+            const float v[8] = {xa[r].x, xa[r].y, xa[r].z, xa[r].w, xb[r].x, xb[r].y, xb[r].z, xb[r].w};
+            uint4 out;
+            uint32_t *o = reinterpret_cast<uint32_t *>(&out);
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+                o[j] = pack_bf16(round_bf16(v[2 * j] * rms[r]) * wf[2 * j], round_bf16(v[2 * j + 1] * rms[r]) * wf[2 * j + 1]);
+            reinterpret_cast<uint4 *>(dst + r * ds)[c] = out;
+        }
     }
     __syncthreads();
+    if (threadIdx.x == 0) k.normed = tag;  // every thread read it above, before the barrier
 }
 
 // ---- the tensor-core GEMV ---------------------------------------------------------------------
@@ -135,14 +182,26 @@ struct TileDot {
     }
 };
 
+// Pieces of K per 16-row tile so that (tile, piece) items spread evenly over the warps: the
+// fewest pieces that minimize the busiest warp's share, at most kWarps pieces, kMaxGemvItems
+// items and one 32-wide step per piece.
+__device__ __forceinline__ int k_parts(int tiles, int steps) {
+    int best = 1, best_rounds = (tiles + kWarps - 1) / kWarps;  // share = rounds / parts
+    for (int ks = 2; ks <= kWarps && ks <= steps && tiles * ks <= kMaxGemvItems; ks++) {
+        const int rounds = (tiles * ks + kWarps - 1) / kWarps;
+        if (rounds * best < best_rounds * ks) best = ks, best_rounds = rounds;
+    }
+    return best;
+}
+
 // out[r * 8 + n] = row(r) . in[n] for r < n_rows (out: shared fp32, [round_up(n_rows, 16)][8]).
-// Warps take 16-row tiles; with fewer tiles than warps they split K as well and add through
-// `red` (shared, 8 * 128 floats). K % 32 == 0. Ends with a barrier.
+// Warps take (16-row tile, piece of K) items (k_parts); pieces add up through `red` (shared,
+// kMaxGemvItems * 128 floats). K % 32 == 0. Ends with a barrier.
 template <class Row, class Dot = TileDot>
 __device__ __forceinline__ void gemv(Row row, int n_rows, const bf16 *in, int K, float *out, float *red, Dot dot = {},
                                      char *scratch = nullptr) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int tiles = (n_rows + 15) / 16, ks = tiles >= kWarps ? 1 : kWarps / tiles, steps = K / 32;
+    const int tiles = (n_rows + 15) / 16, steps = K / 32, ks = k_parts(tiles, steps);
     const bf16 *x = in + g * in_stride(K) + 8 * t;
     for (int item = warp; item < tiles * ks; item += kWarps) {
         const int tile = item / ks, part = item % ks, r = tile * 16 + g;
@@ -165,7 +224,12 @@ __device__ __forceinline__ void gemv(Row row, int n_rows, const bf16 *in, int K,
     }
 }
 
-// Shared-memory carve-up of a GEMV task: input, output, split-K partials, then `extra` bytes.
+// Shared-memory carve-up of a GEMV task: input, output, split-K partials, then `extra` bytes
+// (at most kGemvExtraBytes). The widest fits in a task's scratch.
+constexpr int kMaxGemvRows = 512, kGemvExtraBytes = 4096;
+static_assert(NMK_MK_MAX_BATCH * (kMaxK + 64 + 32) * 2 + (kMaxGemvRows + kMaxGemvItems * 16) * 8 * 4 +
+                      kGemvExtraBytes <= kTaskSmemBytes,
+              "a GEMV task's shared memory must stay below kTaskSmemBytes");
 struct GemvSmem {
     bf16 *in;
     float *out, *red;
@@ -174,7 +238,7 @@ struct GemvSmem {
         in = reinterpret_cast<bf16 *>(smem);
         out = reinterpret_cast<float *>(smem + NMK_MK_MAX_BATCH * in_stride(K) * sizeof(bf16));
         red = out + (out_rows + 15) / 16 * 16 * 8;
-        extra = reinterpret_cast<char *>(red + kWarps * 128);
+        extra = reinterpret_cast<char *>(red + kMaxGemvItems * 128);
     }
 };
 

@@ -2,13 +2,15 @@
 // schedule per (batch, context bucket) and launches one persistent kernel per step.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <map>
 #include <memory>
 #include <utility>
 #include <vector>
 
 #include "internal.hpp"
-#include "mk/vm.cuh"
+#include "mk/config.cuh"
+#include "mk/kernels.hpp"
 #include "schedule/schedule.hpp"
 
 using nmk::mk::bf16;
@@ -183,11 +185,16 @@ NMK_API nmk_status nmk_mk_create(const nmk_mk_geometry *geometry, const nmk_mk_w
         cudaDeviceProp prop{};
         cuda_check(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
         if (prop.major != 9) throw nmk::Error(NMK_ERR_UNSUPPORTED, "the megakernel needs an sm_90 (Hopper) GPU");
-        cuda_check(cudaFuncSetAttribute(nmk::mk::megakernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        nmk::mk::kSmemBytes), "cudaFuncSetAttribute");
-        int per_sm = 0;
-        cuda_check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, nmk::mk::megakernel, nmk::mk::kThreads,
-                                                                 nmk::mk::kSmemBytes), "occupancy");
+        int per_sm = 1;
+        for (int b = 1; b <= NMK_MK_MAX_BATCH; b++) {
+            const void *kernel = nmk::mk::megakernel_for(b);
+            cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, nmk::mk::kSmemBytes),
+                       "cudaFuncSetAttribute");
+            int fits = 0;
+            cuda_check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fits, kernel, nmk::mk::kThreads,
+                                                                     nmk::mk::kSmemBytes), "occupancy");
+            per_sm = std::min(per_sm, fits);
+        }
         if (per_sm < 1) throw nmk::Error(NMK_ERR_UNSUPPORTED, "the megakernel's CTA does not fit on an SM");
         mk->num_sms = prop.multiProcessorCount;
         auto &p = mk->params;
@@ -262,8 +269,9 @@ NMK_API nmk_status nmk_mk_step(nmk_mk *mk, const nmk_mk_step_args *a, void *stre
         p.table_cols = static_cast<int>(a->table_cols);
         p.logits = a->logits, p.next_tokens = a->next_tokens;
         auto st = static_cast<cudaStream_t>(stream);
-        nmk::mk::megakernel<<<mk->num_sms, nmk::mk::kThreads, nmk::mk::kSmemBytes, st>>>(p);
-        cuda_check(cudaGetLastError(), "megakernel launch");
+        void *args[] = {&p};
+        cuda_check(cudaLaunchKernel(nmk::mk::megakernel_for(static_cast<int>(a->batch)), dim3(mk->num_sms),
+                                    dim3(nmk::mk::kThreads), args, nmk::mk::kSmemBytes, st), "megakernel launch");
         return NMK_OK;
     });
 }

@@ -1,5 +1,5 @@
 // NMK_OP_ATTN: one split of one (row, kv head): the row's live keys are cut into `splits`
-// page ranges at run time. Warps take 16-key chunks: scores of the group's query heads by
+// page ranges at run time. Warps take 8-key chunks (loads of the next in flight): scores of the group's query heads by
 // tensor cores (S = Q K^T, heads as the mma's rows, keys as its 8 columns), an online
 // softmax per head, then P V by FMAs with each lane owning 4 dims. The warps merge into the
 // split's partial (acc, max, sum); the last split of the pair to finish merges the splits
@@ -12,6 +12,8 @@ namespace nmk::mk {
 
 constexpr int kPartStride = kHeadDim + 2;  // acc[head_dim], max, sum
 constexpr int kQStride = kHeadDim + 8;     // bf16 per query head in shared memory
+constexpr int kChunk = 8;                  // keys a warp takes at a time: one n8 tile of the mma
+constexpr int kTiles = kChunk / 8;
 
 __device__ __forceinline__ float *part_of(const Params &p, int b, int kvh, int split, int g) {
     int group = p.num_heads / p.num_kv_heads;
@@ -20,7 +22,7 @@ __device__ __forceinline__ float *part_of(const Params &p, int b, int kvh, int s
 
 struct AttnSmem {
     bf16 q[kMaxGroup][kQStride];
-    float p[kWarps][16][kMaxGroup];  // per warp: probabilities of its chunk's keys
+    float p[kWarps][kChunk][kMaxGroup];  // per warp: probabilities of its chunk's keys
     float corr[kWarps][kMaxGroup];
     float m[kWarps][kMaxGroup], l[kWarps][kMaxGroup];
     float acc[kWarps][kMaxGroup][kHeadDim];
@@ -29,37 +31,66 @@ struct AttnSmem {
     int last;
 };
 
+static_assert(sizeof(AttnSmem) <= kTaskSmemBytes, "attention's shared memory must stay below kTaskSmemBytes");
+static_assert(kMaxGroup * kHeadDim % kThreads == 0, "merge_splits gives each thread the same number of outputs");
+
 // Merges the splits of (b, kvh) from their partials into attn_out.
-__device__ void merge_splits(const Params &p, AttnSmem &s, int b, int kvh, int splits) {
-    const int G = p.num_heads / p.num_kv_heads;
+__device__ inline void merge_splits(const Params &p, AttnSmem &s, int b, int kvh, int splits) {
+    const int G = p.num_heads / p.num_kv_heads, split_stride = G * kPartStride;
+    const float *parts = part_of(p, b, kvh, 0, 0);
     for (int i = threadIdx.x; i < splits * G; i += kThreads) {
-        const float *part = part_of(p, b, kvh, i / G, i % G);
+        const float *part = parts + i / G * split_stride + i % G * kPartStride;
         s.split_w[i / G][i % G] = load_l2(part + kHeadDim);
         s.split_l[i / G][i % G] = load_l2(part + kHeadDim + 1);
     }
     __syncthreads();
-    if (threadIdx.x < G) {
-        const int g = threadIdx.x;
+    // Warp g weighs head g's splits (lanes take splits lane, lane + 32).
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (warp < G) {
         float mx = -INFINITY, den = 0.f;
-        for (int z = 0; z < splits; z++) mx = fmaxf(mx, s.split_w[z][g]);
-        for (int z = 0; z < splits; z++) {
-            const float w = s.split_w[z][g] == -INFINITY ? 0.f : __expf(s.split_w[z][g] - mx);
-            s.split_w[z][g] = w;
-            den += w * s.split_l[z][g];
+        for (int z = lane; z < splits; z += 32) mx = fmaxf(mx, s.split_w[z][warp]);
+#pragma unroll
+        for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        for (int z = lane; z < splits; z += 32) {
+            const float w = s.split_w[z][warp] == -INFINITY ? 0.f : __expf(s.split_w[z][warp] - mx);
+            s.split_w[z][warp] = w;
+            den += w * s.split_l[z][warp];
         }
-        s.den[g] = den;
+        den = warp_sum(den);
+        if (lane == 0) s.den[warp] = den;
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < G * kHeadDim; i += kThreads) {
-        const int g = i / kHeadDim, d = i % kHeadDim;
-        float num = 0.f;
-#pragma unroll 8
-        for (int z = 0; z < splits; z++) num += s.split_w[z][g] * load_l2(part_of(p, b, kvh, z, g) + d);
-        p.attn[(size_t)b * p.num_heads * kHeadDim + (kvh * G + g) * kHeadDim + d] = __float2bfloat16(num / s.den[g]);
+    // Each thread's outputs (g, d), the partials of kBatch splits at a time in flight.
+    constexpr int kOuts = kMaxGroup * kHeadDim / kThreads, kBatch = 16;
+    float num[kOuts] = {};
+    for (int z0 = 0; z0 < splits; z0 += kBatch) {
+        float v[kOuts][kBatch];
+#pragma unroll
+        for (int j = 0; j < kOuts; j++) {
+            const int i = threadIdx.x + j * kThreads;
+            const float *src = parts + (size_t)z0 * split_stride + i / kHeadDim * kPartStride + i % kHeadDim;
+            const bool live = i < G * kHeadDim;
+#pragma unroll
+            for (int dz = 0; dz < kBatch; dz++)
+                v[j][dz] = live && z0 + dz < splits ? load_l2(src + dz * split_stride) : 0.f;
+        }
+#pragma unroll
+        for (int j = 0; j < kOuts; j++) {
+            const int g = min((threadIdx.x + j * kThreads) / kHeadDim, kMaxGroup - 1);
+#pragma unroll
+            for (int dz = 0; dz < kBatch; dz++)
+                if (z0 + dz < splits) num[j] += s.split_w[z0 + dz][g] * v[j][dz];
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < kOuts; j++) {
+        const int i = threadIdx.x + j * kThreads, g = i / kHeadDim, d = i % kHeadDim;
+        if (i < G * kHeadDim)
+            p.attn[(size_t)b * p.num_heads * kHeadDim + (kvh * G + g) * kHeadDim + d] = __float2bfloat16(num[j] / s.den[g]);
     }
 }
 
-__device__ void run_attention(const Params &p, int layer, int b, int kvh, int split, int splits, char *smem) {
+__device__ inline void run_attention(const Params &p, int layer, int b, int kvh, int split, int splits, char *smem) {
     const Layer &L = p.layers[layer];
     AttnSmem &s = *reinterpret_cast<AttnSmem *>(smem);
     const int G = p.num_heads / p.num_kv_heads, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -89,24 +120,39 @@ __device__ void run_attention(const Params &p, int layer, int b, int kvh, int sp
 #pragma unroll
         for (int i = 0; i < 4; i++) acc[h][i] = 0.f;
 
-    const int base = key0 / 16 * 16;
-    for (int kc = base + 16 * warp; kc < key1; kc += 16 * kWarps) {
-        const bf16 *kp = L.kv + kv_page(p, L.group, b, kc) * L.page_stride +
-                         ((size_t)kvh * kPage + kc % kPage) * kHeadDim;
+    // Warp w takes the kChunk-key chunks base + kChunk (w + 8 i). The next chunk's keys and
+    // values are in flight while this one is computed, and the page of the one after that.
+    const int base = key0 / kChunk * kChunk, stride = kChunk * kWarps;
+    auto page_of = [&](int kc) { return kc < key1 ? load_l2(p.tables[L.group] + (size_t)b * p.table_cols + kc / kPage) : 0; };
+    auto load_chunk = [&](int page, int kc, uint4 (&kr)[kTiles][kHeadDim / 32], uint2 (&vr)[kChunk]) {
+        if (page < 0) __trap();  // the host guarantees a page for every position it sends
+        const bf16 *kp = L.kv + page * L.page_stride + ((size_t)kvh * kPage + kc % kPage) * kHeadDim;
         const bf16 *vp = kp + (size_t)p.num_kv_heads * kPage * kHeadDim;
-        uint4 kr[2][kHeadDim / 32];
-        uint2 vr[16];
 #pragma unroll
-        for (int n = 0; n < 2; n++)
+        for (int n = 0; n < kTiles; n++)
 #pragma unroll
             for (int j = 0; j < kHeadDim / 32; j++)
                 kr[n][j] = load_l2(reinterpret_cast<const uint4 *>(kp + (8 * n + g) * kHeadDim + 32 * j + 8 * t));
 #pragma unroll
-        for (int j = 0; j < 16; j++) vr[j] = load_l2(reinterpret_cast<const uint2 *>(vp + j * kHeadDim + 4 * lane));
+        for (int j = 0; j < kChunk; j++) vr[j] = load_l2(reinterpret_cast<const uint2 *>(vp + j * kHeadDim + 4 * lane));
+    };
+    int kc = base + kChunk * warp;
+    uint4 kr[kTiles][kHeadDim / 32];
+    uint2 vr[kChunk];
+    int next_page = page_of(kc + stride);
+    if (kc < key1) load_chunk(page_of(kc), kc, kr, vr);
+    for (; kc < key1; kc += stride) {
+        uint4 nkr[kTiles][kHeadDim / 32];
+        uint2 nvr[kChunk];
+        const int kn = kc + stride;
+        if (kn < key1) {
+            load_chunk(next_page, kn, nkr, nvr);
+            next_page = page_of(kn + stride);
+        }
         // sc[n]: scores of head g for keys kc + 8n + 2t, + 1 (c[2], c[3]: the zero heads 8..15)
-        float sc[2][4];
+        float sc[kTiles][4];
 #pragma unroll
-        for (int n = 0; n < 2; n++) {
+        for (int n = 0; n < kTiles; n++) {
             sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.f;
 #pragma unroll
             for (int j = 0; j < kHeadDim / 32; j++) {
@@ -114,9 +160,9 @@ __device__ void run_attention(const Params &p, int layer, int b, int kvh, int sp
                 mma_bf16(sc[n], qa[j].z, 0u, qa[j].w, 0u, kr[n][j].z, kr[n][j].w);
             }
         }
-        float v4[4], mx = -INFINITY;
+        float v4[2 * kTiles], mx = -INFINITY;
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
+        for (int i = 0; i < 2 * kTiles; i++) {
             const int key = kc + 8 * (i >> 1) + 2 * t + (i & 1);
             v4[i] = key >= key0 && key < key1 ? sc[i >> 1][i & 1] * scale : -INFINITY;
             mx = fmaxf(mx, v4[i]);
@@ -127,7 +173,7 @@ __device__ void run_attention(const Params &p, int layer, int b, int kvh, int sp
         const float corr = __expf(m - m_new);
         float sum = 0.f;
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
+        for (int i = 0; i < 2 * kTiles; i++) {
             const float e = __expf(v4[i] - m_new);
             s.p[warp][8 * (i >> 1) + 2 * t + (i & 1)][g] = e;
             sum += e;
@@ -144,7 +190,7 @@ __device__ void run_attention(const Params &p, int layer, int b, int kvh, int sp
             for (int i = 0; i < 4; i++) acc[h][i] *= c;
         }
 #pragma unroll
-        for (int j = 0; j < 16; j++) {
+        for (int j = 0; j < kChunk; j++) {
             if (kc + j < key0 || kc + j >= key1) continue;  // the same for the whole warp; V there may be garbage
             const __nv_bfloat162 *v2 = reinterpret_cast<const __nv_bfloat162 *>(&vr[j]);
             const float2 va = __bfloat1622float2(v2[0]), vb = __bfloat1622float2(v2[1]);
@@ -160,6 +206,12 @@ __device__ void run_attention(const Params &p, int layer, int b, int kvh, int sp
             }
         }
         __syncwarp();
+#pragma unroll
+        for (int n = 0; n < kTiles; n++)
+#pragma unroll
+            for (int j = 0; j < kHeadDim / 32; j++) kr[n][j] = nkr[n][j];
+#pragma unroll
+        for (int j = 0; j < kChunk; j++) vr[j] = nvr[j];
     }
     // Merge the warps into this split's partial.
     if (t == 0) s.m[warp][g] = m, s.l[warp][g] = l;
@@ -167,6 +219,7 @@ __device__ void run_attention(const Params &p, int layer, int b, int kvh, int sp
     for (int h = 0; h < kMaxGroup; h++)
         *reinterpret_cast<float4 *>(&s.acc[warp][h][4 * lane]) = make_float4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]);
     __syncthreads();
+    float *mine = part_of(p, b, kvh, split, 0);
     for (int i = threadIdx.x; i < G * kHeadDim; i += kThreads) {
         const int h = i / kHeadDim, d = i % kHeadDim;
         float mx = -INFINITY;
@@ -178,7 +231,7 @@ __device__ void run_attention(const Params &p, int layer, int b, int kvh, int sp
                 const float e = __expf(s.m[w][h] - mx);
                 num += s.acc[w][h][d] * e, den += s.l[w][h] * e;
             }
-        float *out = part_of(p, b, kvh, split, h);
+        float *out = mine + h * kPartStride;
         out[d] = num;
         if (d == 0) out[kHeadDim] = mx, out[kHeadDim + 1] = den;
     }

@@ -15,7 +15,7 @@ __device__ void run_lm_head(const Params &p, int tile, char *smem) {
     GemvSmem s(smem, H, rows);
     float *best = reinterpret_cast<float *>(s.extra + 64);  // [threads]: each thread's best of its row
     int *best_i = reinterpret_cast<int *>(best + kThreads);
-    stage_normed(s.in, p, p.final_norm, B, reinterpret_cast<float *>(s.extra));
+    stage_normed<B>(smem, p, p.final_norm, p.num_layers);
     const bf16 *W = p.embed + (size_t)r0 * H;
     gemv([&](int r) { return W + (size_t)r * H; }, n, s.in, H, s.out, s.red);
     // Thread i < stride takes (vocab row, batch row b = i % B) pairs i, i + stride, ...
@@ -40,7 +40,7 @@ __device__ void run_lm_head(const Params &p, int tile, char *smem) {
     }
 }
 
-__device__ void run_argmax(const Params &p, int b, char *smem) {
+__device__ inline void run_argmax(const Params &p, int b, char *smem) {
     float *vals = reinterpret_cast<float *>(smem);
     int *idx = reinterpret_cast<int *>(vals + kThreads);
     float v = -INFINITY;

@@ -19,8 +19,9 @@ __device__ __forceinline__ SlotWeights expert_weights(const Params &p, const Lay
 
 __device__ __forceinline__ int act_stride(const Params &p) { return max(p.moe_inter, p.dense_inter); }
 
-// Sparse layers: every task routes (route()); task x = 0 of slot y publishes the slot's
-// expert and rows for DOWN, and task (0, 0) the rows' weights for the next NORM.
+// Sparse layers: the task takes the layer's routing (route(), computed once per CTA); task
+// x = 0 of slot y publishes the slot's expert and rows for DOWN, and task (0, 0) the rows'
+// weights for the next NORM.
 template <int B>
 __device__ void run_gate_up(const Params &p, int layer, int tile, int y, char *smem) {
     const Layer &L = p.layers[layer];
@@ -28,8 +29,7 @@ __device__ void run_gate_up(const Params &p, int layer, int tile, int y, char *s
     GemvSmem s(smem, H, 2 * cols);
     SlotWeights w{L.gate_up, L.down, p.dense_inter};
     if (!L.dense) {
-        Routing &r = *reinterpret_cast<Routing *>(s.extra + 64);
-        route<B>(p, r);
+        const Routing &r = route<B>(p, layer, smem);
         const int e = y < r.slots ? r.slot_expert[y] : -1;
         if (tile == 0 && threadIdx.x < B) {
             const int b = threadIdx.x;
@@ -47,7 +47,7 @@ __device__ void run_gate_up(const Params &p, int layer, int tile, int y, char *s
         if (!w.gate_up) return;
     }
     const int c0 = tile * cols, n = min(cols, w.inter - c0);  // a multiple of 16
-    stage_normed(s.in, p, L.norm, B, reinterpret_cast<float *>(s.extra));
+    stage_normed<B>(smem, p, L.norm, layer);
     const bf16 *gate = w.gate_up + (size_t)c0 * H, *up = w.gate_up + (size_t)(w.inter + c0) * H;
     gemv([&](int r) { return r < n ? gate + (size_t)r * H : up + (size_t)(r - n) * H; }, 2 * n, s.in, H, s.out, s.red);
     bf16 *act = p.act + (size_t)y * NMK_MK_MAX_BATCH * act_stride(p);

@@ -10,54 +10,73 @@
 
 namespace nmk::mk {
 
-// Residual contribution of layer `prev`'s MLP at hidden index i of row b.
-__device__ __forceinline__ float mlp_out(const Params &p, int prev, int b, int i) {
-    const float *m = p.mlp + (size_t)b * p.top_k * p.hidden + i;
-    if (p.layers[prev].dense) return load_l2(m);
-    float w[kMaxTopK], v[kMaxTopK];
-#pragma unroll
-    for (int k = 0; k < kMaxTopK; k++)
-        if (k < p.top_k) w[k] = load_l2(p.topk_weight + b * p.top_k + k), v[k] = load_l2(m + k * p.hidden);
-    float sum = 0.f;
-#pragma unroll
-    for (int k = 0; k < kMaxTopK; k++)
-        if (k < p.top_k) sum = round_bf16(sum + round_bf16(w[k] * v[k]));
-    return sum;
-}
-
 __device__ __forceinline__ float *debug_at(const Params &p, int layer, int stage, int b) {
     return p.debug + (((size_t)layer * NMK_MK_DEBUG_STAGES + stage) * NMK_MK_MAX_BATCH + b) * p.hidden;
 }
 
+// Thread t takes column t % 128 of the tile in rows t / 128, + 2, ...: the loads of two such
+// rows are in flight at once (loads first, then the sums), then each 32-column slice's sum
+// of squares goes through shared memory in a fixed order.
+template <int B>
 __device__ void run_norm(const Params &p, int layer, bool final, int tile, char *smem) {
+    constexpr int kCols = 128, kRowsPerPass = kThreads / kCols, kPasses = (B + kRowsPerPass - 1) / kRowsPerPass;
+    static_assert(kThreads % kCols == 0, "NORM tiles are 128 columns (the checker's norm_cols)");
     const int prev = final ? p.num_layers - 1 : layer - 1, at = prev + 1;
-    const int cols = p.plan.norm_cols, c0 = tile * cols, B = p.plan.batch;
-    float *ss = reinterpret_cast<float *>(smem);  // [B][cols / 32]: per 32 columns, summed in order below
-    // cols is a multiple of 32: the lanes of a warp share one row.
-    for (int i = threadIdx.x; i < B * cols; i += kThreads) {
-        const int b = i / cols, c = c0 + i % cols;
-        float *x = p.x + (size_t)b * p.hidden + c;
-        float v, attn = 0.f, mlp = 0.f;
-        if (prev < 0) {
-            v = __bfloat162float(p.embed[(size_t)p.tokens[b] * p.hidden + c]);
-        } else {
-            attn = load_l2(p.o + (size_t)b * p.hidden + c);
-            mlp = mlp_out(p, prev, b, c);
-            v = round_bf16(round_bf16(load_l2(x) + attn) + mlp);
+    const int col = threadIdx.x % kCols, c = tile * kCols + col, r0 = threadIdx.x / kCols;
+    const bool dense = prev >= 0 && p.layers[prev].dense;
+    const int K = dense ? 1 : p.top_k;
+    float *ss = reinterpret_cast<float *>(smem);  // [B][kCols / 32]
+    float *w = ss + B * (kCols / 32);             // [B][top_k] the rows' expert weights
+    if (prev >= 0 && !dense && threadIdx.x < B * p.top_k) w[threadIdx.x] = load_l2(p.topk_weight + threadIdx.x);
+    // Two passes' loads at a time (more would spill registers at B = 8).
+    constexpr int kGroup = 2;
+#pragma unroll
+    for (int k0 = 0; k0 < kPasses; k0 += kGroup) {
+        float x[kGroup], attn[kGroup], e[kGroup][kMaxTopK];
+#pragma unroll
+        for (int k = 0; k < kGroup; k++) {
+            const int b = r0 + (k0 + k) * kRowsPerPass;
+            if (k0 + k >= kPasses || b >= B) continue;
+            if (prev < 0) {
+                x[k] = __bfloat162float(p.embed[(size_t)p.tokens[b] * p.hidden + c]);
+                continue;
+            }
+            x[k] = load_l2(p.x + (size_t)b * p.hidden + c);
+            attn[k] = load_l2(p.o + (size_t)b * p.hidden + c);
+            const float *m = p.mlp + (size_t)b * p.top_k * p.hidden + c;
+#pragma unroll
+            for (int j = 0; j < kMaxTopK; j++)
+                if (j < K) e[k][j] = load_l2(m + j * p.hidden);
         }
-        if (p.debug) {
-            debug_at(p, at, NMK_MK_DEBUG_X, b)[c] = v;
-            debug_at(p, at, NMK_MK_DEBUG_ATTN, b)[c] = attn;
-            debug_at(p, at, NMK_MK_DEBUG_MLP, b)[c] = mlp;
+        if (k0 == 0) __syncthreads();  // w
+#pragma unroll
+        for (int k = 0; k < kGroup; k++) {
+            const int b = r0 + (k0 + k) * kRowsPerPass;
+            if (k0 + k >= kPasses || b >= B) continue;  // the same for the whole warp
+            float v = x[k], mlp = 0.f, a = 0.f;
+            if (prev >= 0) {
+                // x + o, then + the experts' weighted outputs summed in ascending expert id
+                // (the routing lists each row's picks that way); dense: the MLP's output.
+#pragma unroll
+                for (int j = 0; j < kMaxTopK; j++)
+                    if (j < K) mlp = dense ? e[k][0] : round_bf16(mlp + round_bf16(w[b * p.top_k + j] * e[k][j]));
+                a = attn[k];
+                v = round_bf16(round_bf16(v + a) + mlp);
+            }
+            if (p.debug) {
+                debug_at(p, at, NMK_MK_DEBUG_X, b)[c] = v;
+                debug_at(p, at, NMK_MK_DEBUG_ATTN, b)[c] = a;
+                debug_at(p, at, NMK_MK_DEBUG_MLP, b)[c] = mlp;
+            }
+            p.x[(size_t)b * p.hidden + c] = v;
+            const float sq = warp_sum(v * v);
+            if ((threadIdx.x & 31) == 0) ss[b * (kCols / 32) + col / 32] = sq;
         }
-        *x = v;
-        const float sq = warp_sum(v * v);
-        if ((threadIdx.x & 31) == 0) ss[i / 32] = sq;
     }
     __syncthreads();
     if (threadIdx.x < B) {
         float sum = 0.f;
-        for (int j = 0; j < cols / 32; j++) sum += ss[threadIdx.x * (cols / 32) + j];
+        for (int j = 0; j < kCols / 32; j++) sum += ss[threadIdx.x * (kCols / 32) + j];
         p.ss[threadIdx.x * kMaxNormTiles + tile] = sum;
     }
 }

@@ -12,7 +12,7 @@ __device__ void run_qkv(const Params &p, int layer, int tile, char *smem) {
     const int H = p.hidden, Q = p.num_heads * kHeadDim, KV = p.num_kv_heads * kHeadDim;
     const int rows = p.plan.qkv_rows, r0 = tile * rows, n = min(rows, Q + 2 * KV - r0);
     GemvSmem s(smem, H, rows);
-    stage_normed(s.in, p, L.norm, B, reinterpret_cast<float *>(s.extra));
+    stage_normed<B>(smem, p, L.norm, layer);
     const bf16 *W = L.qkv + (size_t)r0 * H;
     gemv([&](int r) { return W + (size_t)r * H; }, n, s.in, H, s.out, s.red);
     // One thread per (row b, pair of adjacent outputs); r0 and rows are even.

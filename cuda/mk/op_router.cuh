@@ -1,8 +1,9 @@
 // NMK_OP_ROUTER, tile x: router rows [x * router_rows, ...) -> router_logits (rounded to
 // bf16 as the reference rounds them). The routing itself (top-k by raw logit, ties to the
 // lower id, weight = sigmoid(logit) with no renormalization, picks in ascending expert id,
-// one mlp slot per distinct expert) is computed by every GATE_UP task of the layer from
-// those logits (route()), so no single SM sits between the router and the experts.
+// one mlp slot per distinct expert) is computed from those logits by each SM that runs a
+// GATE_UP task of the layer, once (route()), so no single SM sits between the router and
+// the experts.
 #pragma once
 
 #include "common.cuh"
@@ -14,7 +15,7 @@ __device__ void run_router(const Params &p, int layer, int tile, char *smem) {
     const int H = p.hidden, E = p.num_experts, r0 = tile * p.plan.router_rows;
     const int n = min(p.plan.router_rows, E - r0);
     GemvSmem s(smem, H, p.plan.router_rows);
-    stage_normed(s.in, p, p.layers[layer].norm, B, reinterpret_cast<float *>(s.extra));
+    stage_normed<B>(smem, p, p.layers[layer].norm, layer);
     const bf16 *W = p.layers[layer].router + (size_t)r0 * H;
     gemv([&](int r) { return W + (size_t)r * H; }, n, s.in, H, s.out, s.red);
     for (int i = threadIdx.x; i < n * B; i += kThreads)
@@ -31,9 +32,15 @@ struct Routing {
     int slots;                           // how many there are
 };
 
-// Computes the routing of this step's sparse layer from router_logits. Ends with a barrier.
+static_assert(kTaskSmemBytes + sizeof(Kept) + sizeof(Routing) <= kSmemBytes, "the kept routing must fit");
+
+// The routing of `layer` in the CTA's kept shared memory: computed from router_logits unless
+// this CTA already did for the layer. Ends with a barrier when it computes.
 template <int B>
-__device__ void route(const Params &p, Routing &r) {
+__device__ const Routing &route(const Params &p, int layer, char *smem) {
+    Kept &k = kept(smem);
+    Routing &r = *reinterpret_cast<Routing *>(smem + kTaskSmemBytes + sizeof(Kept));
+    if (k.routed == layer) return r;
     const int E = p.num_experts, K = p.top_k, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const unsigned below = (1u << lane) - 1;
     for (int i = threadIdx.x; i < B * E; i += kThreads) r.logit[i / E][i % E] = load_l2(p.router_logits + i);
@@ -74,8 +81,10 @@ __device__ void route(const Params &p, Routing &r) {
         int n = 0;
         for (int w = 0; w < kWarps; w++) n += r.warp_count[w];
         r.slots = n;
+        k.routed = layer;  // every thread read it above, before the barriers
     }
     __syncthreads();
+    return r;
 }
 
 }  // namespace nmk::mk

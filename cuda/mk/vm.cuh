@@ -36,15 +36,20 @@ __device__ __forceinline__ void signal(uint32_t *counter) {
 
 template <int B>
 __device__ void run_task(const Params &p, const nmk_task &t, char *smem) {
+    // Tasks other than these overwrite the normed input at offset 0 (the previous task's
+    // barrier has passed: no thread still reads the flag).
+    if (t.op != NMK_OP_QKV && t.op != NMK_OP_ROUTER && t.op != NMK_OP_GATE_UP && t.op != NMK_OP_LM_HEAD &&
+        threadIdx.x == 0)
+        kept(smem).normed = -1;
     switch (t.op) {
-        case NMK_OP_NORM: return run_norm(p, t.layer, false, t.x, smem);
+        case NMK_OP_NORM: return run_norm<B>(p, t.layer, false, t.x, smem);
         case NMK_OP_QKV: return run_qkv<B>(p, t.layer, t.x, smem);
         case NMK_OP_ROUTER: return run_router<B>(p, t.layer, t.x, smem);
         case NMK_OP_ATTN: return run_attention(p, t.layer, t.x, t.y, t.z & 0xff, t.z >> 8, smem);
         case NMK_OP_OPROJ: return run_oproj<B>(p, t.layer, t.x, smem);
         case NMK_OP_GATE_UP: return run_gate_up<B>(p, t.layer, t.x, t.y, smem);
         case NMK_OP_DOWN: return run_down<B>(p, t.layer, t.x, t.y, smem);
-        case NMK_OP_FINAL_NORM: return run_norm(p, 0, true, t.x, smem);
+        case NMK_OP_FINAL_NORM: return run_norm<B>(p, 0, true, t.x, smem);
         case NMK_OP_LM_HEAD: return run_lm_head<B>(p, t.x, smem);
         case NMK_OP_ARGMAX: return run_argmax(p, t.x, smem);
         default: __trap();
@@ -53,7 +58,7 @@ __device__ void run_task(const Params &p, const nmk_task &t, char *smem) {
 
 // The weights a task streams whenever they do not depend on this step's routing: one TMA
 // prefetch into L2 per contiguous range, issued before the task waits for its input.
-__device__ void prefetch_task(const Params &p, const nmk_task &t) {
+__device__ inline void prefetch_task(const Params &p, const nmk_task &t) {
     const Layer &L = p.layers[t.layer];
     const int H = p.hidden, Q = p.num_heads * kHeadDim;
     auto rows = [&](const bf16 *w, int K, int tile_rows, int total) {
@@ -82,10 +87,11 @@ __device__ __forceinline__ uint64_t global_ns() {
     return t;
 }
 
-// Task i of the step's array: prefetch its static weights, wait for its input, run, signal;
-// with timing on, record when it began waiting, ran and ended, and which SM ran it.
-template <int B>
-__device__ void run_one(const Params &p, uint32_t i, char *smem) {
+// Task i of the step's array: prefetch its static weights, wait for its input, run, call
+// done() (thread 0 of the drain claims its next task there), signal; with timing on, record
+// when it began waiting, ran and ended, and which SM ran it.
+template <int B, class Done>
+__device__ void run_one(const Params &p, uint32_t i, char *smem, Done done) {
     const nmk_task t = p.tasks[i];
     const bool timed = p.timing && i < p.timing_capacity;
     uint64_t waited = timed ? global_ns() : 0;
@@ -95,6 +101,7 @@ __device__ void run_one(const Params &p, uint32_t i, char *smem) {
     }
     uint64_t started = timed ? global_ns() : 0;
     run_task<B>(p, t, smem);
+    done();
     if (t.signal >= 0) signal(p.counters + t.signal);
     else __syncthreads();
     if (timed && threadIdx.x == 0) {
@@ -105,9 +112,10 @@ __device__ void run_one(const Params &p, uint32_t i, char *smem) {
 }
 
 // DRAIN(q): claim queue q's tasks in order with an atomic head until it runs dry. Thread 0
-// claims the next task as soon as the current one is claimed, so the atomic's round trip
-// overlaps the current task (holding a later task of the queue never blocks an earlier one:
-// queue tasks wait only on earlier work).
+// claims the next task once the current one's work is done, before its signal: the claim's
+// round trip overlaps the signal's fence, and a CTA never holds a task while it works on
+// another (a held task would wait for this CTA however many SMs are idle). Holding a later
+// task of the queue never blocks an earlier one: queue tasks wait only on earlier work.
 template <int B>
 __device__ void drain(const Params &p, int q, char *smem) {
     const uint32_t first = p.queue_offsets[q], count = p.queue_offsets[q + 1] - first;
@@ -115,16 +123,16 @@ __device__ void drain(const Params &p, int q, char *smem) {
     __shared__ uint32_t claimed;
     uint32_t next = 0;
     if (threadIdx.x == 0) next = atomicAdd(head, 1u);
+    auto claim = [&] {
+        if (threadIdx.x == 0) next = atomicAdd(head, 1u);
+    };
     for (;;) {
-        if (threadIdx.x == 0) {
-            claimed = next;
-            if (next < count) next = atomicAdd(head, 1u);
-        }
+        if (threadIdx.x == 0) claimed = next;
         __syncthreads();
         const uint32_t j = claimed;
         __syncthreads();  // everyone has read `claimed` before thread 0 rewrites it
         if (j >= count) return;
-        run_one<B>(p, first + j, smem);
+        run_one<B>(p, first + j, smem, claim);
     }
 }
 
@@ -134,23 +142,17 @@ __device__ void run_list(const Params &p, char *smem) {
     for (uint32_t i = begin; i < end; i++) {
         const nmk_task t = p.tasks[i];
         if (t.op == NMK_OP_DRAIN) drain<B>(p, t.x, smem);
-        else run_one<B>(p, i, smem);
+        else run_one<B>(p, i, smem, [] {});
     }
 }
 
+// One decode step of batch B (kernel_batch.cuh instantiates each B in its own translation unit).
+template <int B>
 __global__ void __launch_bounds__(kThreads, 1) megakernel(const __grid_constant__ Params p) {
     extern __shared__ __align__(16) char smem[];
-    switch (p.plan.batch) {
-        case 1: run_list<1>(p, smem); break;
-        case 2: run_list<2>(p, smem); break;
-        case 3: run_list<3>(p, smem); break;
-        case 4: run_list<4>(p, smem); break;
-        case 5: run_list<5>(p, smem); break;
-        case 6: run_list<6>(p, smem); break;
-        case 7: run_list<7>(p, smem); break;
-        case 8: run_list<8>(p, smem); break;
-        default: __trap();
-    }
+    if (threadIdx.x == 0) kept(smem) = Kept{-1, -1, {}};
+    __syncthreads();
+    run_list<B>(p, smem);
     uint32_t *finished = p.counters + p.plan.num_counters;
     if (threadIdx.x == 0) {
         __threadfence();

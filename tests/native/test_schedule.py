@@ -159,6 +159,18 @@ def test_longer_rows_get_more_attention_splits_and_short_rows_one():
         assert sorted(pair["z"] & 0xFF) == list(range(n)), "each pair has all its splits, the last one merges"
 
 
+def test_an_attention_split_covers_at_least_eight_pages():
+    # One row of 8192 keys over 132 SMs: 128 pages per kv head would give 4-page splits; a
+    # split's fixed work (queries, partials, ticket) is worth 8 pages, so 16 splits.
+    s = Schedule(north(num_layers=8), 132, [8192])
+    attn = s.tasks[s.tasks["op"] == Opcode.ATTN]
+    assert set((attn[attn["layer"] == 4]["z"] >> 8).tolist()) == {16}
+    assert set((attn[attn["layer"] == 5]["z"] >> 8).tolist()) == {8}  # the 4096-key window
+    # Rows long enough to fill the SMs keep their own split size.
+    many = Schedule(north(num_layers=8), 132, [8192] * 8).tasks
+    assert set((many[(many["op"] == Opcode.ATTN) & (many["layer"] == 4)]["z"] >> 8).tolist()) == {4}  # 32 pages
+
+
 def test_oproj_waits_for_every_attention_split_of_its_layer():
     s = Schedule(SMALL, 16, [300, 70, 1])
     for layer in range(5):
