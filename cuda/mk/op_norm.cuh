@@ -28,8 +28,9 @@ __device__ void run_norm(const Params &p, int layer, bool final, int tile, char 
     float *ss = reinterpret_cast<float *>(smem);  // [B][kCols / 32]
     float *w = ss + B * (kCols / 32);             // [B][top_k] the rows' expert weights
     if (prev >= 0 && !dense && threadIdx.x < B * p.top_k) w[threadIdx.x] = load_l2(p.topk_weight + threadIdx.x);
-    // Two passes' loads at a time (more would spill registers at B = 8).
-    constexpr int kGroup = 2;
+    // Two passes' loads at a time, one from B = 7 (more spill registers, and a spilled load
+    // waits for its data before the next one issues).
+    constexpr int kGroup = B >= 7 ? 1 : 2;
 #pragma unroll
     for (int k0 = 0; k0 < kPasses; k0 += kGroup) {
         float x[kGroup], attn[kGroup], e[kGroup][kMaxTopK];
