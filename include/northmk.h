@@ -484,8 +484,9 @@ NMK_API nmk_status nmk_schedule_tasks(const nmk_schedule *schedule, const nmk_ta
 /* Queue q holds tasks[queue_offsets[q] .. queue_offsets[q + 1]) of nmk_schedule_tasks'
  * array; queue_offsets has *num_queues + 1 entries, queue_offsets[0] == sm_offsets[num_sms]
  * and queue_offsets[*num_queues] is the array's length. Owned by the schedule. The builder
- * makes one queue per layer l: its GATE_UP tasks (slot-major), ATTN tasks (row, kv head,
- * split), DOWN tasks (slot-major), then OPROJ tasks; the lists hold the layer's NORM, QKV
+ * makes one queue per layer l: its GATE_UP tasks (slot-major) with the ATTN tasks (row, kv
+ * head, split) after the first num_sms - splits of them, DOWN tasks (slot-major), then OPROJ
+ * tasks; the lists hold the layer's NORM, QKV
  * and ROUTER tiles, then DRAIN(l), and after the last layer FINAL_NORM, LM_HEAD, ARGMAX. */
 NMK_API nmk_status nmk_schedule_queues(const nmk_schedule *schedule, const uint32_t **queue_offsets,
                                        uint32_t *num_queues);

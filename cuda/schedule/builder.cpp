@@ -92,18 +92,28 @@ int add_layer(Builder &b, int l, int prev_done, const std::vector<int> &lens, in
         for (int x = 0; x < p.router_tiles; x++) b.add(NMK_OP_ROUTER, l, x, 0, 0, normed, routed);
     int q = b.drain(l);
 
+    // The attention splits go in after the first num_sms - splits expert tiles: the SMs that
+    // reach the queue once QKV is done (most of them) start attention at once, the rest keep
+    // streaming experts, and OPROJ's input is ready while DOWN still runs.
     std::vector<int> slot_ready;
+    std::vector<nmk_task> gate_up;
     for (int y = 0; y < mlp_slots(g, p, l); y++) {
         slot_ready.push_back(b.counter());
         for (int x = 0; x < gate_up_tiles(g, p, l); x++)
-            b.enqueue(q, NMK_OP_GATE_UP, l, x, y, 0, routed, slot_ready[y]);
+            gate_up.push_back(b.task(NMK_OP_GATE_UP, l, x, y, 0, routed, slot_ready[y]));
     }
+    std::vector<nmk_task> splits;
     int pps = pages_per_split(g, num_sms, lens, l);
     for (int r = 0; r < p.batch; r++) {
         int n = splits_for(keys_seen(g, l, lens[r]), g.page_size, pps);
         for (int h = 0; h < g.num_kv_heads; h++)
-            for (int z = 0; z < n; z++) b.enqueue(q, NMK_OP_ATTN, l, r, h, z | (n << 8), qkv, attn);
+            for (int z = 0; z < n; z++) splits.push_back(b.task(NMK_OP_ATTN, l, r, h, z | (n << 8), qkv, attn));
     }
+    const size_t lead = std::min(gate_up.size(), static_cast<size_t>(std::max(0, num_sms - static_cast<int>(splits.size()))));
+    auto &queue = b.s.queues[q];
+    queue.insert(queue.end(), gate_up.begin(), gate_up.begin() + lead);
+    queue.insert(queue.end(), splits.begin(), splits.end());
+    queue.insert(queue.end(), gate_up.begin() + lead, gate_up.end());
     for (int y = 0; y < mlp_slots(g, p, l); y++)
         for (int x = 0; x < down_tiles(g, p, l); x++) b.enqueue(q, NMK_OP_DOWN, l, x, y, 0, slot_ready[y], done);
     for (int x = 0; x < oproj_tiles(g, p); x++) b.enqueue(q, NMK_OP_OPROJ, l, x, 0, 0, attn, done);

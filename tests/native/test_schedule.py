@@ -81,7 +81,8 @@ def test_queue_l_holds_gate_up_attention_down_and_oproj_in_order():
         q = s.queue(layer)
         assert (q["layer"] == layer).all()
         runs = [int(op) for i, op in enumerate(q["op"]) if i == 0 or op != q["op"][i - 1]]
-        assert runs == [Opcode.GATE_UP, Opcode.ATTN, Opcode.DOWN, Opcode.OPROJ]
+        # The attention splits after the first num_sms - splits GATE_UP tasks (none here: 8 SMs).
+        assert runs == [Opcode.ATTN, Opcode.GATE_UP, Opcode.DOWN, Opcode.OPROJ]
         for op in (Opcode.GATE_UP, Opcode.DOWN):  # slot-major, then tile
             of = q[q["op"] == op]
             assert [(int(y), int(x)) for x, y in zip(of["x"], of["y"])] == sorted(zip(of["y"].tolist(), of["x"].tolist()))
@@ -249,7 +250,7 @@ def _mutated(s: Schedule, mutate) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         ("a DRAIN inside a queue", lambda t, o, q: _insert(t, o, q, int(q[2]) + 1, t[_drain_index(t, o, 0, 0)]),
          r"DRAIN inside a queue \(queues hold ordinary tasks only\): queue 2 #1"),
         ("a task in a list and a queue", lambda t, o, q: _insert(t, o, q, 0, t[int(q[1])]),
-         r"duplicate queue 1 #0 task\(op=7 .*, also at SM 0 #0"),
+         r"duplicate queue 1 #0 task\(op=\d+ .*, also at SM 0 #0"),
         ("decreasing queue offsets", lambda t, o, q: (t, o, _set_offset(q, 2, int(q[1]) - 1)),
          "queue_offsets decrease at queue 1"),
         ("queues not after the lists", lambda t, o, q: (t, o, _set_offset(q, 0, int(q[0]) - 1)),
@@ -468,3 +469,14 @@ def _attention_to_next_queue(t, o, q, layer):
     t[q[layer]:q[layer + 2]] = np.concatenate([this[~attn], this[attn], following])
     q[layer + 1] = q[layer] + int((~attn).sum())
     return t, o, q
+
+
+def test_attention_splits_follow_the_first_num_sms_minus_splits_expert_tiles():
+    s = Schedule(north(num_layers=2), 132, [8192])
+    q = s.queue(1)
+    ops = q["op"].tolist()
+    splits = ops.count(Opcode.ATTN)
+    lead = 132 - splits
+    assert ops[:lead] == [Opcode.GATE_UP] * lead
+    assert ops[lead:lead + splits] == [Opcode.ATTN] * splits
+    assert Opcode.ATTN not in ops[lead + splits:] and ops[lead + splits] == Opcode.GATE_UP
