@@ -149,9 +149,10 @@ def summarize_tasks(t: torch.Tensor) -> dict:
     """Task times [tasks, 4] (wait, start, end ns; op | layer << 8 | sm << 16, sm the CTA that
     ran it) -> the step's span, the mean layer time, per opcode the tasks and summed run / wait
     time (us), per opcode the mean over layers of its last task's end after the layer's first
-    NORM task began (chain_us), and the summed run time of each SM's tasks: its mean, min and
-    max over the SMs that ran a task (sm_busy_us; records without the sm field count as SM
-    0's). DRAIN records, should a kernel write them, count only as opcode DRAIN."""
+    NORM task began (chain_us) and of its tasks' first start, median start, median end and last
+    end on the same clock (timeline_us), and the summed run time of each SM's tasks: its mean,
+    min and max over the SMs that ran a task (sm_busy_us; records without the sm field count
+    as SM 0's). DRAIN records, should a kernel write them, count only as opcode DRAIN."""
     op_of, layer_of, sm_of = t[:, 3] & 0xFF, (t[:, 3] >> 8) & 0xFF, t[:, 3] >> 16
     ops = {}
     for op in Opcode:
@@ -162,6 +163,7 @@ def summarize_tasks(t: torch.Tensor) -> dict:
                             "max_run_us": (mine[:, 2] - mine[:, 1]).max().item() / 1e3}
     norms = op_of == Opcode.NORM
     chain: dict[str, list[float]] = {}
+    timeline: dict[str, list[list[float]]] = {}
     starts = []
     for layer in layer_of[norms].unique():
         start = t[norms & (layer_of == layer)][:, 1].min()
@@ -169,7 +171,10 @@ def summarize_tasks(t: torch.Tensor) -> dict:
         for op in Opcode:
             mine = t[(op_of == op) & (layer_of == layer)]
             if len(mine) and op not in (Opcode.FINAL_NORM, Opcode.LM_HEAD, Opcode.ARGMAX, Opcode.DRAIN):
-                chain.setdefault(op.name, []).append((mine[:, 2].max() - start).item() / 1e3)
+                began, ended = (mine[:, 1] - start).double() / 1e3, (mine[:, 2] - start).double() / 1e3
+                chain.setdefault(op.name, []).append(ended.max().item())
+                timeline.setdefault(op.name, []).append(
+                    [began.min().item(), began.median().item(), ended.median().item(), ended.max().item()])
     layer_us = (max(starts) - min(starts)) / 1e3 / max(1, len(starts) - 1) if starts else 0.0
     work = op_of != Opcode.DRAIN
     busy = torch.zeros(int(sm_of.max().item()) + 1 if len(t) else 0, dtype=torch.int64)
@@ -177,7 +182,9 @@ def summarize_tasks(t: torch.Tensor) -> dict:
     busy = busy[torch.bincount(sm_of[work], minlength=len(busy)) > 0].double() / 1e3
     sm_busy = {"mean": busy.mean().item(), "min": busy.min().item(), "max": busy.max().item()} if len(busy) else {}
     return {"span_us": t[:, 2].max().item() / 1e3, "layer_us": layer_us, "ops": ops,
-            "chain_us": {name: sum(v) / len(v) for name, v in chain.items()}, "sm_busy_us": sm_busy}
+            "chain_us": {name: sum(v) / len(v) for name, v in chain.items()},
+            "timeline_us": {name: [sum(col) / len(v) for col in zip(*v)] for name, v in timeline.items()},
+            "sm_busy_us": sm_busy}
 
 
 def print_profile(prof: dict) -> None:
@@ -186,6 +193,11 @@ def print_profile(prof: dict) -> None:
     print(f"  a layer's opcodes done after its first NORM began (us): {chain}")
     for name, o in sorted(prof["ops"].items(), key=lambda kv: -kv[1]["run_us"]):
         print(f"  {name:>10} {o['tasks']:6d} {o['run_us']:12.0f} {o['wait_us']:12.0f} {o['max_run_us']:9.1f}")
+    timeline = sorted(prof.get("timeline_us", {}).items(), key=lambda kv: kv[1][0])
+    if timeline:
+        print("  after the layer's first NORM began, per opcode: first start, median start, median end, last end (us)")
+        for name, (first, mid_start, mid_end, last) in timeline:
+            print(f"  {name:>10} {first:7.1f} {mid_start:7.1f} {mid_end:7.1f} {last:7.1f}")
 
 
 def routed_distinct(config: ModelConfig, experts: torch.Tensor) -> float:

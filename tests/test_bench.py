@@ -323,6 +323,13 @@ def test_task_time_summary_follows_the_schedules_tasks():
     assert set(summary["chain_us"]) >= {"NORM", "QKV", "ATTN", "OPROJ", "GATE_UP", "DOWN"}
     assert summary["chain_us"]["NORM"] < summary["chain_us"]["ATTN"] < summary["chain_us"]["OPROJ"]
     assert summary["layer_us"] > 0
+    assert set(summary["timeline_us"]) == set(summary["chain_us"])
+    for name, (first, mid_start, mid_end, last) in summary["timeline_us"].items():
+        assert first <= mid_start <= mid_end <= last, name
+        assert mid_end == pytest.approx(mid_start + 1.0), name  # every task runs 1 us
+        assert last == pytest.approx(summary["chain_us"][name]), name
+    assert summary["timeline_us"]["NORM"][0] == 0.0  # the clock starts at the layer's first NORM
+    assert summary["timeline_us"]["ATTN"][0] >= summary["timeline_us"]["QKV"][0] + 1.0  # after a QKV task ran
 
     # DRAIN records, were a kernel to write them, count as DRAIN only: not as an SM's work, not in a chain.
     drains = [[0, 0, int(max(clock)), int(Opcode.DRAIN) | l << 8 | sm << 16]
