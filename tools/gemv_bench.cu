@@ -99,7 +99,7 @@ static_assert(kInputBytes >= kRingOverread, "the input follows the ring and abso
 // GemvSmem of the widest tile (K range 2048, 256 rows), then `scratch` bytes of its extra.
 int mma_smem(int scratch) {
     return NMK_MK_MAX_BATCH * in_stride(2048) * (int)sizeof(bf16) + kGemvMaxRows * 8 * (int)sizeof(float) +
-           kWarps * 128 * (int)sizeof(float) + scratch;
+           kMaxGemvItems * 128 * (int)sizeof(float) + scratch;
 }
 
 template <class Ring, bool kOutGlobal>

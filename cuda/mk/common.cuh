@@ -83,7 +83,7 @@ constexpr int kMaxGemvItems = 32;  // (16-row tile, k part) work items of one GE
 
 struct Kept {
     int normed;  // whose normed input sits at offset 0: a layer, num_layers for the final norm, -1 none
-    int routed;  // the layer whose routing sits at kept_routing(), -1 none
+    int routed;  // the layer whose routing sits right after this struct (route()), -1 none
     float rms[NMK_MK_MAX_BATCH];  // stage_normed's scratch
 };
 
@@ -130,7 +130,8 @@ __device__ __forceinline__ void stage_normed(char *smem, const Params &p, const 
             uint32_t *o = reinterpret_cast<uint32_t *>(&out);
 #pragma unroll
             for (int j = 0; j < 4; j++)
-                o[j] = pack_bf16(round_bf16(v[2 * j] * rms[r]) * wf[2 * j], round_bf16(v[2 * j + 1] * rms[r]) * wf[2 * j + 1]);
+                o[j] = pack_bf16(round_bf16(v[2 * j] * rms[r]) * wf[2 * j],
+                                 round_bf16(v[2 * j + 1] * rms[r]) * wf[2 * j + 1]);
             reinterpret_cast<uint4 *>(dst + r * ds)[c] = out;
         }
     }

@@ -1,9 +1,10 @@
 // NMK_OP_ATTN: one split of one (row, kv head): the row's live keys are cut into `splits`
-// page ranges at run time. Warps take 8-key chunks (loads of the next in flight): scores of the group's query heads by
-// tensor cores (S = Q K^T, heads as the mma's rows, keys as its 8 columns), an online
-// softmax per head, then P V by FMAs with each lane owning 4 dims. The warps merge into the
-// split's partial (acc, max, sum); the last split of the pair to finish merges the splits
-// into attn_out (a ticket per pair in global memory), so o-proj waits on ATTN alone.
+// page ranges at run time. Warps take 8-key chunks, the next one's loads in flight: scores
+// of the group's query heads by tensor cores (S = Q K^T, heads as the mma's rows, keys as
+// its 8 columns), an online softmax per head, then P V by FMAs with each lane owning 4 dims.
+// The warps merge into the split's partial (acc, max, sum); the last split of the pair to
+// finish merges the splits into attn_out (a ticket per pair in global memory), so o-proj
+// waits on ATTN alone.
 #pragma once
 
 #include "common.cuh"
@@ -86,7 +87,8 @@ __device__ inline void merge_splits(const Params &p, AttnSmem &s, int b, int kvh
     for (int j = 0; j < kOuts; j++) {
         const int i = threadIdx.x + j * kThreads, g = i / kHeadDim, d = i % kHeadDim;
         if (i < G * kHeadDim)
-            p.attn[(size_t)b * p.num_heads * kHeadDim + (kvh * G + g) * kHeadDim + d] = __float2bfloat16(num[j] / s.den[g]);
+            p.attn[(size_t)b * p.num_heads * kHeadDim + (kvh * G + g) * kHeadDim + d] =
+                __float2bfloat16(num[j] / s.den[g]);
     }
 }
 
@@ -123,7 +125,8 @@ __device__ inline void run_attention(const Params &p, int layer, int b, int kvh,
     // Warp w takes the kChunk-key chunks base + kChunk (w + 8 i). The next chunk's keys and
     // values are in flight while this one is computed, and the page of the one after that.
     const int base = key0 / kChunk * kChunk, stride = kChunk * kWarps;
-    auto page_of = [&](int kc) { return kc < key1 ? load_l2(p.tables[L.group] + (size_t)b * p.table_cols + kc / kPage) : 0; };
+    const int32_t *table = p.tables[L.group] + (size_t)b * p.table_cols;
+    auto page_of = [&](int kc) { return kc < key1 ? load_l2(table + kc / kPage) : 0; };
     auto load_chunk = [&](int page, int kc, uint4 (&kr)[kTiles][kHeadDim / 32], uint2 (&vr)[kChunk]) {
         if (page < 0) __trap();  // the host guarantees a page for every position it sends
         const bf16 *kp = L.kv + page * L.page_stride + ((size_t)kvh * kPage + kc % kPage) * kHeadDim;

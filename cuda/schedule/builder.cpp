@@ -109,7 +109,8 @@ int add_layer(Builder &b, int l, int prev_done, const std::vector<int> &lens, in
         for (int h = 0; h < g.num_kv_heads; h++)
             for (int z = 0; z < n; z++) splits.push_back(b.task(NMK_OP_ATTN, l, r, h, z | (n << 8), qkv, attn));
     }
-    const size_t lead = std::min(gate_up.size(), static_cast<size_t>(std::max(0, num_sms - static_cast<int>(splits.size()))));
+    const int free_sms = std::max(0, num_sms - static_cast<int>(splits.size()));
+    const size_t lead = std::min(gate_up.size(), static_cast<size_t>(free_sms));
     auto &queue = b.s.queues[q];
     queue.insert(queue.end(), gate_up.begin(), gate_up.begin() + lead);
     queue.insert(queue.end(), splits.begin(), splits.end());
