@@ -51,6 +51,11 @@ struct Builder {
         s.queues[q].push_back(task(op, layer, x, y, z, wait, signal));
     }
 
+    // Tasks made by task() (their counters already wired), at the end of queue q in order.
+    void enqueue(int q, std::vector<nmk_task>::const_iterator first, std::vector<nmk_task>::const_iterator last) {
+        s.queues[q].insert(s.queues[q].end(), first, last);
+    }
+
     // A new queue, drained by every SM at this point of its list; returns its index.
     int drain(int layer) {
         int q = static_cast<int>(s.queues.size());
@@ -111,10 +116,9 @@ int add_layer(Builder &b, int l, int prev_done, const std::vector<int> &lens, in
     }
     const int free_sms = std::max(0, num_sms - static_cast<int>(splits.size()));
     const size_t lead = std::min(gate_up.size(), static_cast<size_t>(free_sms));
-    auto &queue = b.s.queues[q];
-    queue.insert(queue.end(), gate_up.begin(), gate_up.begin() + lead);
-    queue.insert(queue.end(), splits.begin(), splits.end());
-    queue.insert(queue.end(), gate_up.begin() + lead, gate_up.end());
+    b.enqueue(q, gate_up.cbegin(), gate_up.cbegin() + lead);
+    b.enqueue(q, splits.cbegin(), splits.cend());
+    b.enqueue(q, gate_up.cbegin() + lead, gate_up.cend());
     for (int y = 0; y < mlp_slots(g, p, l); y++)
         for (int x = 0; x < down_tiles(g, p, l); x++) b.enqueue(q, NMK_OP_DOWN, l, x, y, 0, slot_ready[y], done);
     for (int x = 0; x < oproj_tiles(g, p); x++) b.enqueue(q, NMK_OP_OPROJ, l, x, 0, 0, attn, done);
