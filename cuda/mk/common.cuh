@@ -60,7 +60,7 @@ __host__ __device__ __forceinline__ int in_stride(int K) { return (K + 63) / 64 
 __device__ __forceinline__ void stage_bf16(bf16 *dst, const bf16 *src, int rows, int K, int src_stride) {
     const int chunks = K / 8, ds = in_stride(K), total = rows * chunks;
     for (int base = threadIdx.x; base < total; base += 4 * kThreads) {
-        uint4 v[4];
+        uint4 v[4] = {};
 #pragma unroll
         for (int j = 0; j < 4; j++) {
             const int i = base + j * kThreads;
@@ -111,7 +111,7 @@ __device__ __forceinline__ void stage_normed(char *smem, const Params &p, const 
     // Chunk c of every row; the first round's loads are in flight across the barrier.
     for (int c = threadIdx.x; c < (chunks + kThreads - 1) / kThreads * kThreads; c += kThreads) {
         const bool mine = c < chunks;
-        float4 xa[B], xb[B];
+        float4 xa[B] = {}, xb[B] = {};
         uint4 w{};
 #pragma unroll
         for (int r = 0; r < B; r++) {

@@ -22,6 +22,11 @@ constexpr int kSmemBytes = 160 * 1024;
 static_assert(kHeadDim == 128 && kThreads == 256, "the attention and GEMV tiles assume these");
 static_assert(NMK_MK_MAX_BATCH == 8, "GEMV inputs are the n = 8 columns of m16n8k16 tensor-core tiles");
 
+// Register arrays that a task fills under a condition start zeroed: ptxas treats a register
+// read on a path that never wrote it as live from the kernel's entry, and in a persistent
+// kernel that holds it across every task of the step (uninitialized load buffers in attention
+// and NORM held ~140 registers this way and pushed the kernel to 255 with spills).
+
 struct Layer {
     const bf16 *norm, *qkv, *o, *gate_up, *down, *router, *experts_gate_up, *experts_down;
     bf16 *kv;                  // this layer's slot of its group's pages: add page * page_stride

@@ -140,13 +140,13 @@ __device__ inline void run_attention(const Params &p, int layer, int b, int kvh,
         for (int j = 0; j < kChunk; j++) vr[j] = load_l2(reinterpret_cast<const uint2 *>(vp + j * kHeadDim + 4 * lane));
     };
     int kc = base + kChunk * warp;
-    uint4 kr[kTiles][kHeadDim / 32];
-    uint2 vr[kChunk];
+    uint4 kr[kTiles][kHeadDim / 32] = {};
+    uint2 vr[kChunk] = {};
     int next_page = page_of(kc + stride);
     if (kc < key1) load_chunk(page_of(kc), kc, kr, vr);
     for (; kc < key1; kc += stride) {
-        uint4 nkr[kTiles][kHeadDim / 32];
-        uint2 nvr[kChunk];
+        uint4 nkr[kTiles][kHeadDim / 32] = {};
+        uint2 nvr[kChunk] = {};
         const int kn = kc + stride;
         if (kn < key1) {
             load_chunk(next_page, kn, nkr, nvr);

@@ -28,12 +28,10 @@ __device__ void run_norm(const Params &p, int layer, bool final, int tile, char 
     float *ss = reinterpret_cast<float *>(smem);  // [B][kCols / 32]
     float *w = ss + B * (kCols / 32);             // [B][top_k] the rows' expert weights
     if (prev >= 0 && !dense && threadIdx.x < B * p.top_k) w[threadIdx.x] = load_l2(p.topk_weight + threadIdx.x);
-    // Two passes' loads at a time, one from B = 7 (more spill registers, and a spilled load
-    // waits for its data before the next one issues).
-    constexpr int kGroup = B >= 7 ? 1 : 2;
+    constexpr int kGroup = 2;  // passes whose loads are in flight together
 #pragma unroll
     for (int k0 = 0; k0 < kPasses; k0 += kGroup) {
-        float x[kGroup], attn[kGroup], e[kGroup][kMaxTopK];
+        float x[kGroup] = {}, attn[kGroup] = {}, e[kGroup][kMaxTopK] = {};
 #pragma unroll
         for (int k = 0; k < kGroup; k++) {
             const int b = r0 + (k0 + k) * kRowsPerPass;
