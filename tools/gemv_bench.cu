@@ -5,12 +5,10 @@
 // random bf16 weights (several matrices, so L2 never holds them):
 //   tma+wgmma       gemv_begin before a simulated dependency wait, stage_swizzled, gemv_finish
 //                   (the engine's ring: 4 x 32 KB, 16-row boxes)
-//   mma.sync/stream the megakernel's gemv() (common.cuh: input staged with in_stride, each lane's
-//                   weights through a cp.async ring of kStreamSteps steps that spans the warp's items)
-//   mma.sync        the item loop the megakernel ran before the stream (gemv_items below: each lane
-//                   loading 8 k32 steps of an item into registers at once)
+//   mma.sync        the megakernel's gemv() (common.cuh: input staged with in_stride, each lane
+//                   loading 8 k32 steps into registers at once)
 //   mma.sync+pf     the same with an L2 prefetch of the tile before the wait
-//   mma.sync/16     gemv_items' work split, each lane loading 16 k32 steps at once (128 KB per SM)
+//   mma.sync/16     gemv()'s work split, each lane loading 16 k32 steps at once (128 KB per SM)
 //   mma.sync/pipe   the same, software-pipelined in registers: the loads of the next 8 k32 steps
 //                   are issued before the mmas of the current 8 (DotRing<8, 2>)
 //   mma.sync/cpasync16  the same pipeline through shared memory: cp.async groups of 4 k32 steps,
@@ -36,7 +34,6 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
-#include <type_traits>
 #include <vector>
 
 #include "mk/common.cuh"
@@ -153,68 +150,9 @@ __global__ void __launch_bounds__(kThreads, 1) tma_kernel(const __grid_constant_
     }
 }
 
-// ---- the item loop: gemv()'s work split, each item's k range through a k loop (Dot) ----------
-// Weights stream through once: skip L1.
-__device__ __forceinline__ uint4 load_weight(const bf16 *p) {
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
-    return v;
-}
-
-constexpr int kStepsInFlight = 8;  // 32-wide k steps whose weight loads a lane issues together
-
-// c += rows lo, hi (lane's rows g, g + 8) . input row g over k in [ka, kb) (multiples of 32).
-struct TileDot {
-    __device__ __forceinline__ void operator()(const bf16 *lo, const bf16 *hi, const bf16 *x, int ka, int kb,
-                                               float c[4], char *) const {
-        int k = ka;
-        for (; k + 32 * kStepsInFlight <= kb; k += 32 * kStepsInFlight) {
-            uint4 wl[kStepsInFlight], wh[kStepsInFlight];
-#pragma unroll
-            for (int i = 0; i < kStepsInFlight; i++) {
-                wl[i] = load_weight(lo + k + 32 * i);
-                wh[i] = load_weight(hi + k + 32 * i);
-            }
-#pragma unroll
-            for (int i = 0; i < kStepsInFlight; i++)
-                mma_k32(c, wl[i], wh[i], *reinterpret_cast<const uint4 *>(x + k + 32 * i));
-        }
-        for (; k < kb; k += 32) mma_k32(c, load_weight(lo + k), load_weight(hi + k), *reinterpret_cast<const uint4 *>(x + k));
-    }
-};
-
-// gemv()'s result from (tile, piece) items, each through `dot` with its own loads.
-template <class Row, class Dot>
-__device__ __forceinline__ void gemv_items(Row row, int n_rows, int K, const GemvSmem &s, Dot dot) {
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int tiles = (n_rows + 15) / 16, steps = K / 32, ks = k_parts(tiles, steps);
-    const bf16 *x = s.in + g * in_stride(K) + 8 * t;
-    for (int item = warp; item < tiles * ks; item += kWarps) {
-        const int tile = item / ks, part = item % ks, r = tile * 16 + g;
-        const bf16 *lo = row(min(r, n_rows - 1)) + 8 * t, *hi = row(min(r + 8, n_rows - 1)) + 8 * t;
-        float c[4] = {0.f, 0.f, 0.f, 0.f};
-        dot(lo, hi, x, steps * part / ks * 32, steps * (part + 1) / ks * 32, c, s.extra);
-        float *dst = ks == 1 ? s.out + tile * 128 : s.red + item * 128;
-        *reinterpret_cast<float2 *>(dst + g * 8 + 2 * t) = make_float2(c[0], c[1]);
-        *reinterpret_cast<float2 *>(dst + (g + 8) * 8 + 2 * t) = make_float2(c[2], c[3]);
-    }
-    __syncthreads();
-    if (ks > 1) {
-        for (int i = threadIdx.x; i < tiles * 128; i += kThreads) {
-            const int tile = i / 128, e = i % 128;
-            float sum = 0.f;
-            for (int part = 0; part < ks; part++) sum += s.red[(tile * ks + part) * 128 + e];
-            s.out[i] = sum;
-        }
-        __syncthreads();
-    }
-}
-
-// ---- k loops of the mma.sync GEMV, variants of TileDot ---------------------------
+// ---- k loops of the mma.sync GEMV, variants of common.cuh's tile_dot ---------------------------
 // Each adds rows lo, hi (the lane's rows g, g + 8) . input row g over k in [ka, kb) (multiples of
-// 32) into c, with the lane layout of TileDot: 16 contiguous bytes per row and 32-wide k step.
+// 32) into c, with the lane layout of tile_dot: 16 contiguous bytes per row and 32-wide k step.
 // The last argument is shared scratch (GemvSmem::extra), for the variants that stage through it.
 
 // Steps i < n (n <= S) of the 32-wide k steps from k: loads into wl, wh; mmas from them.
@@ -351,8 +289,8 @@ struct DotAsync {
     }
 };
 
-// The megakernel's gemv() (the weight stream), in place of a Dot.
-struct Stream {};
+// common.cuh's gemv() as the megakernel runs it (the mma.sync and mma.sync+pf paths).
+using CommonDot = TileDot;
 
 template <bool kPrefetch, class Dot>
 __global__ void __launch_bounds__(kThreads, 1) mma_kernel(const __grid_constant__ Args a) {
@@ -377,8 +315,7 @@ __global__ void __launch_bounds__(kThreads, 1) mma_kernel(const __grid_constant_
         const auto row = [&](int r) {
             return r < n0 ? W + (size_t)(bt.row0[0] + r) * K : W + (size_t)(bt.row0[1] + r - n0) * K;
         };
-        if constexpr (std::is_same_v<Dot, Stream>) gemv(row, a.rows, width, s);
-        else gemv_items(row, a.rows, width, s, Dot{});
+        gemv(row, a.rows, s.in, width, s.out, s.red, Dot{}, s.extra);
         write_out(s.out, a.out + (size_t)i * a.rows * 8, a.rows * 8);
         __syncthreads();
     }
@@ -440,9 +377,8 @@ using Ring6x32Box64 = TmaRingT<6, 32 * 1024, kTallBoxRows>;
 
 const Path kPaths[] = {
     {"tma+wgmma", tma_kernel<TmaRing, false>, tma_smem<TmaRing, false>()},
-    {"mma.sync/stream", mma_kernel<false, Stream>, kTaskSmemBytes},
-    {"mma.sync", mma_kernel<false, TileDot>, kSmem},
-    {"mma.sync+pf", mma_kernel<true, TileDot>, kSmem},
+    {"mma.sync", mma_kernel<false, CommonDot>, kSmem},
+    {"mma.sync+pf", mma_kernel<true, CommonDot>, kSmem},
     {"mma.sync/16", mma_kernel<false, DotBurst<16>>, kSmem},
     {"mma.sync/pipe", mma_kernel<false, DotRing<8, 2>>, kSmem},
     {"mma.sync/cpasync16", mma_kernel<false, DotAsync<4, 4>>, mma_smem(DotAsync<4, 4>::kScratch)},

@@ -6,6 +6,15 @@
 
 namespace nmk::mk {
 
+// Weights stream through once per step: skip L1.
+__device__ __forceinline__ uint4 load_weight(const bf16 *p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
 // Step scratch and KV are written by other SMs during the step: read them from L2.
 __device__ __forceinline__ float load_l2(const float *p) { return __ldcg(p); }
 __device__ __forceinline__ float4 load_l2(const float4 *p) { return __ldcg(p); }
@@ -44,7 +53,7 @@ __device__ __forceinline__ void unpack8(uint4 v, float out[8]) {
 // ---- GEMV inputs: [8][in_stride(K)] bf16 in shared memory, one row per batch row ----------------
 // The stride is 32 elements past a multiple of 64, so the 8 lanes of a 16-byte shared-load
 // phase (two rows x four 16-byte chunks) hit 32 distinct banks.
-__host__ __device__ constexpr int in_stride(int K) { return (K + 63) / 64 * 64 + 32; }
+__host__ __device__ __forceinline__ int in_stride(int K) { return (K + 63) / 64 * 64 + 32; }
 
 // Copies rows x K bf16 (K % 8 == 0) from global scratch (src_stride apart) to a GEMV input,
 // four 16-byte loads in flight per thread.
@@ -67,10 +76,9 @@ __device__ __forceinline__ void stage_bf16(bf16 *dst, const bf16 *src, int rows,
 }
 
 // ---- shared memory a CTA keeps across its tasks of a step -----------------------------------
-// A task's scratch is [0, kTaskSmemBytes) (a GEMV's weight ring at its end); past it, what
-// later tasks of the same layer reuse: the normed input a GEMV staged at offset 0 and the
-// routing of a sparse layer (op_router).
-constexpr int kTaskSmemBytes = 187 * 1024;
+// A task's scratch is [0, kTaskSmemBytes); past it, what later tasks of the same layer reuse:
+// the normed input a GEMV staged at offset 0 and the routing of a sparse layer (op_router).
+constexpr int kTaskSmemBytes = 128 * 1024;
 constexpr int kMaxGemvItems = 32;  // (16-row tile, k part) work items of one GEMV, for `red`
 
 struct Kept {
@@ -132,6 +140,10 @@ __device__ __forceinline__ void stage_normed(char *smem, const Params &p, const 
 }
 
 // ---- the tensor-core GEMV ---------------------------------------------------------------------
+// mma.m16n8k16 with weights as A (16 rows) and the 8 batch rows as B. The reduction order
+// inside an mma is free, so each lane loads 16 contiguous bytes per row: lane (g, t) reads
+// weight rows g and g + 8 and input row g at k0 + 8t .. k0 + 8t + 7, and the two mmas of a
+// 32-wide k step take words {0, 1} and {2, 3} of those chunks as their k pairs.
 __device__ __forceinline__ void mma_bf16(float c[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
                                          uint32_t b1) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -145,30 +157,31 @@ __device__ __forceinline__ void mma_k32(float c[4], uint4 lo, uint4 hi, uint4 x)
     mma_bf16(c, lo.z, hi.z, lo.w, hi.w, x.z, x.w);
 }
 
-// ---- the weight stream -----------------------------------------------------------------------
-// A GEMV's weights reach the tensor cores through a ring in shared memory, the stream: each
-// lane copies its 16 bytes of rows lo and hi per 32-wide k step with cp.async (L2 only) and
-// keeps kStreamSteps steps in flight. A lane reads back only what it copied itself, so the
-// ring needs no barrier (cp.async.wait_group orders a thread's own copies). The stream spans
-// a warp's work items: the copies of its next item are in flight while the current one is
-// computed, so a task pays the memory latency once rather than once per item.
-constexpr int kStreamSteps = 12;
-constexpr int kStreamStepBytes = 2 * kThreads * 16;  // one step of every lane: a plane of lo rows, one of hi rows
-constexpr int kStreamBytes = kStreamSteps * kStreamStepBytes;
-constexpr int kStreamOffset = kTaskSmemBytes - kStreamBytes;  // the ring, at the end of the task scratch
-static_assert(kStreamOffset % 16 == 0 && kStreamOffset > 0, "cp.async needs 16-byte aligned destinations");
+constexpr int kStepsInFlight = 8;  // 32-wide k steps whose weight loads a lane issues together
 
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void *src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src));
+// c += rows lo, hi (lane's rows g, g + 8) . input row g over k in [ka, kb) (multiples of 32).
+__device__ __forceinline__ void tile_dot(const bf16 *lo, const bf16 *hi, const bf16 *x, int ka, int kb, float c[4]) {
+    int k = ka;
+    for (; k + 32 * kStepsInFlight <= kb; k += 32 * kStepsInFlight) {
+        uint4 wl[kStepsInFlight], wh[kStepsInFlight];
+#pragma unroll
+        for (int i = 0; i < kStepsInFlight; i++) {
+            wl[i] = load_weight(lo + k + 32 * i);
+            wh[i] = load_weight(hi + k + 32 * i);
+        }
+#pragma unroll
+        for (int i = 0; i < kStepsInFlight; i++) mma_k32(c, wl[i], wh[i], *reinterpret_cast<const uint4 *>(x + k + 32 * i));
+    }
+    for (; k < kb; k += 32) mma_k32(c, load_weight(lo + k), load_weight(hi + k), *reinterpret_cast<const uint4 *>(x + k));
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
-__device__ __forceinline__ uint4 load_shared(uint32_t addr) {
-    uint4 v;
-    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
-    return v;
-}
+
+// tile_dot as gemv's k loop; tools/gemv_bench.cu passes others (with shared scratch) in its place.
+struct TileDot {
+    __device__ __forceinline__ void operator()(const bf16 *lo, const bf16 *hi, const bf16 *x, int ka, int kb,
+                                               float c[4], char *) const {
+        tile_dot(lo, hi, x, ka, kb, c);
+    }
+};
 
 // Pieces of K per 16-row tile so that (tile, piece) items spread evenly over the warps: the
 // fewest pieces that minimize the busiest warp's share, at most kWarps pieces, kMaxGemvItems
@@ -182,92 +195,53 @@ __device__ __forceinline__ int k_parts(int tiles, int steps) {
     return best;
 }
 
-// Shared-memory carve-up of a GEMV task: input, output, split-K partials, then `extra` bytes
-// (at most kGemvExtraBytes), below the weight ring at kStreamOffset.
-constexpr int kGemvExtraBytes = 4096;
-__host__ __device__ constexpr int gemv_smem_bytes(int K, int out_rows) {
-    return NMK_MK_MAX_BATCH * in_stride(K) * 2 + ((out_rows + 15) / 16 * 16 + kMaxGemvItems * 16) * 8 * 4 +
-           kGemvExtraBytes;
-}
-struct GemvSmem {
-    bf16 *in;
-    float *out, *red;
-    char *extra;
-    uint32_t stream;  // shared address of the weight ring
-    __device__ GemvSmem(char *smem, int K, int out_rows) {
-        if (gemv_smem_bytes(K, out_rows) > kStreamOffset) __trap();  // nmk_mk_create checks the geometry
-        in = reinterpret_cast<bf16 *>(smem);
-        out = reinterpret_cast<float *>(smem + NMK_MK_MAX_BATCH * in_stride(K) * sizeof(bf16));
-        red = out + (out_rows + 15) / 16 * 16 * 8;
-        extra = reinterpret_cast<char *>(red + kMaxGemvItems * 128);
-        stream = static_cast<uint32_t>(__cvta_generic_to_shared(smem + kStreamOffset));
-    }
-};
-
-// s.out[r * 8 + n] = row(r) . s.in[n] for r < n_rows (out: [round_up(n_rows, 16)][8]).
-// mma.m16n8k16 with weights as A (16 rows) and the 8 batch rows as B. The reduction order
-// inside an mma is free, so each lane loads 16 contiguous bytes per row: lane (g, t) reads
-// weight rows g and g + 8 and input row g at k0 + 8t .. k0 + 8t + 7, and the two mmas of a
-// 32-wide k step take words {0, 1} and {2, 3} of those chunks as their k pairs.
-// Warps take (16-row tile, piece of K) items (k_parts), warp w the items w, w + kWarps, ...;
-// their weights come through the ring as one stream of k steps. Pieces add up through s.red.
-// K % 32 == 0. Ends with a barrier.
-template <class Row>
-__device__ __forceinline__ void gemv(Row row, int n_rows, int K, const GemvSmem &s) {
+// out[r * 8 + n] = row(r) . in[n] for r < n_rows (out: shared fp32, [round_up(n_rows, 16)][8]).
+// Warps take (16-row tile, piece of K) items (k_parts); pieces add up through `red` (shared,
+// kMaxGemvItems * 128 floats). K % 32 == 0. Ends with a barrier.
+template <class Row, class Dot = TileDot>
+__device__ __forceinline__ void gemv(Row row, int n_rows, const bf16 *in, int K, float *out, float *red, Dot dot = {},
+                                     char *scratch = nullptr) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int tiles = (n_rows + 15) / 16, steps = K / 32, ks = k_parts(tiles, steps), items = tiles * ks;
-    const bf16 *x = s.in + g * in_stride(K) + 8 * t;
-    const uint32_t lane_ring = s.stream + threadIdx.x * 16;
-    // The copy cursor: item `ci`, its next step `ck` of [.., ck_end), the lane's rows.
-    int ci = warp, ck = 0, ck_end = 0;
-    const bf16 *lo = nullptr, *hi = nullptr;
-    auto enter = [&](int item) {
-        const int r = item / ks * 16 + g, part = item % ks;
-        lo = row(min(r, n_rows - 1)) + 8 * t, hi = row(min(r + 8, n_rows - 1)) + 8 * t;
-        ck = steps * part / ks, ck_end = steps * (part + 1) / ks;
-    };
-    if (ci < items) enter(ci);
-    int copy_slot = 0;
-    auto copy_next = [&] {  // one commit group per call, empty past the warp's last step
-        if (ci < items) {
-            const uint32_t dst = lane_ring + copy_slot * kStreamStepBytes;
-            cp_async16(dst, lo + 32 * ck);
-            cp_async16(dst + kThreads * 16, hi + 32 * ck);
-            if (++ck == ck_end && (ci += kWarps) < items) enter(ci);
-        }
-        cp_async_commit();
-        copy_slot = copy_slot + 1 == kStreamSteps ? 0 : copy_slot + 1;
-    };
-#pragma unroll 1
-    for (int i = 0; i < kStreamSteps - 1; i++) copy_next();
-    int slot = 0;
-    for (int item = warp; item < items; item += kWarps) {
-        const int part = item % ks, k_end = steps * (part + 1) / ks;
+    const int tiles = (n_rows + 15) / 16, steps = K / 32, ks = k_parts(tiles, steps);
+    const bf16 *x = in + g * in_stride(K) + 8 * t;
+    for (int item = warp; item < tiles * ks; item += kWarps) {
+        const int tile = item / ks, part = item % ks, r = tile * 16 + g;
+        const bf16 *lo = row(min(r, n_rows - 1)) + 8 * t, *hi = row(min(r + 8, n_rows - 1)) + 8 * t;
         float c[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll 1
-        for (int k = steps * part / ks; k < k_end; k++) {
-            copy_next();
-            cp_async_wait<kStreamSteps - 1>();  // this step's group is complete
-            const uint32_t src = lane_ring + slot * kStreamStepBytes;
-            mma_k32(c, load_shared(src), load_shared(src + kThreads * 16), *reinterpret_cast<const uint4 *>(x + 32 * k));
-            slot = slot + 1 == kStreamSteps ? 0 : slot + 1;
-        }
-        float *dst = ks == 1 ? s.out + item / ks * 128 : s.red + item * 128;
+        dot(lo, hi, x, steps * part / ks * 32, steps * (part + 1) / ks * 32, c, scratch);
+        float *dst = ks == 1 ? out + tile * 128 : red + item * 128;
         *reinterpret_cast<float2 *>(dst + g * 8 + 2 * t) = make_float2(c[0], c[1]);
         *reinterpret_cast<float2 *>(dst + (g + 8) * 8 + 2 * t) = make_float2(c[2], c[3]);
     }
-    cp_async_wait<0>();  // only empty groups are left
     __syncthreads();
     if (ks > 1) {
         for (int i = threadIdx.x; i < tiles * 128; i += kThreads) {
             const int tile = i / 128, e = i % 128;
-            float sum = 0.f;
-            for (int part = 0; part < ks; part++) sum += s.red[(tile * ks + part) * 128 + e];
-            s.out[i] = sum;
+            float s = 0.f;
+            for (int part = 0; part < ks; part++) s += red[(tile * ks + part) * 128 + e];
+            out[i] = s;
         }
         __syncthreads();
     }
 }
+
+// Shared-memory carve-up of a GEMV task: input, output, split-K partials, then `extra` bytes
+// (at most kGemvExtraBytes). The widest fits in a task's scratch.
+constexpr int kMaxGemvRows = 512, kGemvExtraBytes = 4096;
+static_assert(NMK_MK_MAX_BATCH * (kMaxK + 64 + 32) * 2 + (kMaxGemvRows + kMaxGemvItems * 16) * 8 * 4 +
+                      kGemvExtraBytes <= kTaskSmemBytes,
+              "a GEMV task's shared memory must stay below kTaskSmemBytes");
+struct GemvSmem {
+    bf16 *in;
+    float *out, *red;
+    char *extra;
+    __device__ GemvSmem(char *smem, int K, int out_rows) {
+        in = reinterpret_cast<bf16 *>(smem);
+        out = reinterpret_cast<float *>(smem + NMK_MK_MAX_BATCH * in_stride(K) * sizeof(bf16));
+        red = out + (out_rows + 15) / 16 * 16 * 8;
+        extra = reinterpret_cast<char *>(red + kMaxGemvItems * 128);
+    }
+};
 
 // Physical page of row b's position pos in a KV group.
 __device__ __forceinline__ int kv_page(const Params &p, int group, int b, int pos) {

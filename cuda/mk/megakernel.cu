@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "internal.hpp"
-#include "mk/common.cuh"
+#include "mk/config.cuh"
 #include "mk/kernels.hpp"
 #include "schedule/schedule.hpp"
 
@@ -163,16 +163,6 @@ void check_geometry(const nmk_mk_geometry &g) {
     if (std::max(g.moe_inter, g.dense_inter) > nmk::mk::kMaxK) bad("intermediate sizes must be <= 4096");
     if (g.hidden % 256 || g.hidden / 128 > nmk::mk::kMaxNormTiles || g.hidden > nmk::mk::kMaxK)
         bad("hidden_size must be a multiple of 256, at most 4096");
-    // Every GEMV's input, output and partials fit below the weight ring, at the plan's widest tiles.
-    using namespace nmk::schedule;
-    using nmk::mk::gemv_smem_bytes;
-    const int q = g.num_heads * g.head_dim, inter = std::max(g.moe_inter, g.dense_inter);
-    const int need = std::max({gemv_smem_bytes(g.hidden, std::max({kMaxLmRows, kMaxQkvRows, 2 * kMaxCols})),
-                               gemv_smem_bytes(q, kMaxOprojRows),
-                               gemv_smem_bytes(inter, std::max(kMaxMoeDownRows, kMaxDenseDownRows))});
-    if (need > nmk::mk::kStreamOffset)
-        bad("hidden_size, num_heads * head_dim and the intermediate sizes are too wide for the GEMV's shared memory "
-            "(" + std::to_string(need) + " bytes, " + std::to_string(nmk::mk::kStreamOffset) + " available)");
 }
 
 }  // namespace

@@ -17,7 +17,7 @@ __device__ void run_lm_head(const Params &p, int tile, char *smem) {
     int *best_i = reinterpret_cast<int *>(best + kThreads);
     stage_normed<B>(smem, p, p.final_norm, p.num_layers);
     const bf16 *W = p.embed + (size_t)r0 * H;
-    gemv([&](int r) { return W + (size_t)r * H; }, n, H, s);
+    gemv([&](int r) { return W + (size_t)r * H; }, n, s.in, H, s.out, s.red);
     // Thread i < stride takes (vocab row, batch row b = i % B) pairs i, i + stride, ...
     const int b = threadIdx.x % B, stride = kThreads - kThreads % B;
     float bv = -INFINITY;

@@ -49,7 +49,7 @@ __device__ void run_gate_up(const Params &p, int layer, int tile, int y, char *s
     const int c0 = tile * cols, n = min(cols, w.inter - c0);  // a multiple of 16
     stage_normed<B>(smem, p, L.norm, layer);
     const bf16 *gate = w.gate_up + (size_t)c0 * H, *up = w.gate_up + (size_t)(w.inter + c0) * H;
-    gemv([&](int r) { return r < n ? gate + (size_t)r * H : up + (size_t)(r - n) * H; }, 2 * n, H, s);
+    gemv([&](int r) { return r < n ? gate + (size_t)r * H : up + (size_t)(r - n) * H; }, 2 * n, s.in, H, s.out, s.red);
     bf16 *act = p.act + (size_t)y * NMK_MK_MAX_BATCH * act_stride(p);
     for (int i = threadIdx.x; i < n * B; i += kThreads) {
         const int c = i / B, b = i % B;
@@ -72,7 +72,7 @@ __device__ void run_down(const Params &p, int layer, int tile, int y, char *smem
     if (threadIdx.x < B) ks[threadIdx.x] = L.dense ? 0 : load_l2(p.slot_k + y * B + threadIdx.x);
     __syncthreads();
     const bf16 *W = w.down + (size_t)r0 * w.inter;
-    gemv([&](int r) { return W + (size_t)r * w.inter; }, n, w.inter, s);
+    gemv([&](int r) { return W + (size_t)r * w.inter; }, n, s.in, w.inter, s.out, s.red);
     for (int i = threadIdx.x; i < n * B; i += kThreads) {
         const int r = i / B, b = i % B;
         if (ks[b] >= 0) p.mlp[((size_t)b * p.top_k + ks[b]) * p.hidden + r0 + r] = round_bf16(s.out[r * 8 + b]);

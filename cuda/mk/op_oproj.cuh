@@ -13,7 +13,7 @@ __device__ void run_oproj(const Params &p, int layer, int tile, char *smem) {
     stage_bf16(s.in, p.attn, B, Q, Q);
     __syncthreads();
     const bf16 *W = p.layers[layer].o + (size_t)r0 * Q;
-    gemv([&](int r) { return W + (size_t)r * Q; }, n, Q, s);
+    gemv([&](int r) { return W + (size_t)r * Q; }, n, s.in, Q, s.out, s.red);
     for (int i = threadIdx.x; i < n * B; i += kThreads)
         p.o[(size_t)(i % B) * p.hidden + r0 + i / B] = round_bf16(s.out[(i / B) * 8 + i % B]);
 }

@@ -14,7 +14,7 @@ __device__ void run_qkv(const Params &p, int layer, int tile, char *smem) {
     GemvSmem s(smem, H, rows);
     stage_normed<B>(smem, p, L.norm, layer);
     const bf16 *W = L.qkv + (size_t)r0 * H;
-    gemv([&](int r) { return W + (size_t)r * H; }, n, H, s);
+    gemv([&](int r) { return W + (size_t)r * H; }, n, s.in, H, s.out, s.red);
     // One thread per (row b, pair of adjacent outputs); r0 and rows are even.
     for (int i = threadIdx.x; i < B * n / 2; i += kThreads) {
         int b = i / (n / 2), r = r0 + 2 * (i % (n / 2));

@@ -17,7 +17,7 @@ __device__ void run_router(const Params &p, int layer, int tile, char *smem) {
     GemvSmem s(smem, H, p.plan.router_rows);
     stage_normed<B>(smem, p, p.layers[layer].norm, layer);
     const bf16 *W = p.layers[layer].router + (size_t)r0 * H;
-    gemv([&](int r) { return W + (size_t)r * H; }, n, H, s);
+    gemv([&](int r) { return W + (size_t)r * H; }, n, s.in, H, s.out, s.red);
     for (int i = threadIdx.x; i < n * B; i += kThreads)
         p.router_logits[(i % B) * E + r0 + i / B] = round_bf16(s.out[(i / B) * 8 + i % B]);
 }
