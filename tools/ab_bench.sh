@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# A/B runs of the decode benchmark in one device call: the library of each variant tree under
+# ab/ (made on the host by `tools/ab_bench.sh prepare NAME REV...`), built and benched in turn
+# against this tree's Python package, with the same arguments. ab/ is ignored by git: carry it
+# (with .whl, as for gpu_run.sh).
+#   host:   tools/ab_bench.sh prepare base 17c7d34 && tools/ab_bench.sh prepare new HEAD
+#   device: tools/ab_bench.sh run --batch 1 8 --steps 256 --no-peer
+# Each result lands in $OUT/ab-NAME/; the last lines are one table row per (variant, batch).
+set -uo pipefail
+if [ "${1:-}" = prepare ]; then
+  name=$2 rev=$3
+  rm -rf "ab/$name" && mkdir -p "ab/$name"
+  git archive "$rev" CMakeLists.txt pyproject.toml include cuda tools | tar -x -C "ab/$name"
+  echo "ab/$name: $(git rev-parse --short "$rev")"
+  exit 0
+fi
+[ "${1:-}" = run ] || { echo "usage: $0 prepare NAME REV | run [bench args...]" >&2; exit 2; }
+shift
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+export PATH=$PATH:/usr/local/cuda/bin
+export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+for tree in ab/*/; do
+  name=$(basename "$tree")
+  t0=$(date +%s)
+  if ! { cmake -S "$tree" -B "build/ab-$name" -G Ninja -DNORTHMK_CUDA=auto >"$OUT/ab-$name.build.log" 2>&1 &&
+         cmake --build "build/ab-$name" -j 16 >>"$OUT/ab-$name.build.log" 2>&1; }; then
+    echo "$name: build failed"; tail -20 "$OUT/ab-$name.build.log"; continue
+  fi
+  NORTHMK_LIB=$PWD/build/ab-$name/libnorthmk.so timeout ${AB_TIMEOUT:-120} \
+    python3 -m northmk.bench decode --out "$OUT/ab-$name" "$@" >"$OUT/ab-$name.log" 2>&1
+  echo "$name: rc=$? in $(( $(date +%s) - t0 ))s"
+done
+for tree in ab/*/; do
+  name=$(basename "$tree")
+  grep -E "^batch" "$OUT/ab-$name.log" 2>/dev/null | sed "s/^/$name  /"
+done
