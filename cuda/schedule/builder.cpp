@@ -135,7 +135,9 @@ nmk_plan make_plan(const Geometry &g, int num_sms, const std::vector<int> &lens)
     p.router_rows = kRouterRows;
     p.router_tiles = ceil_div(g.num_experts, kRouterRows);
     p.oproj_rows = tile_for(g.hidden, num_sms, kMaxOprojRows);
-    p.moe_cols = tile_for(p.expert_slots * g.moe_inter, num_sms, kMaxCols);
+    // Expert tiles for 1.5x the SMs: attention takes SMs while the expert phase runs, and the
+    // tiles left for a second round are then small (batch 1: 32 columns, not 48).
+    p.moe_cols = tile_for(p.expert_slots * g.moe_inter, num_sms * 3 / 2, kMaxCols);
     p.moe_down_rows = tile_for(p.expert_slots * g.hidden, num_sms, kMaxMoeDownRows);
     p.dense_cols = tile_for(g.dense_inter, num_sms, kMaxCols);
     p.dense_down_rows = tile_for(g.hidden, num_sms, kMaxDenseDownRows);

@@ -140,6 +140,16 @@ def test_about_one_task_per_sm_per_stage():
     assert -(-64 * 768 // p["moe_cols"]) >= 132 // 2
 
 
+@pytest.mark.parametrize("batch, cols", [(1, 32), (2, 64), (8, 128)])
+def test_expert_tiles_are_sized_for_one_and_a_half_times_the_sms(batch, cols):
+    # Attention splits hold SMs while the experts stream: the tiles left over for a second
+    # round must be small. From batch 4 the 128-column cap decides.
+    p = Schedule(north(num_layers=2), 132, [4096] * batch).plan
+    assert p["moe_cols"] == cols
+    tiles = p["expert_slots"] * -(-768 // p["moe_cols"])
+    assert tiles > 132 if batch <= 2 else p["moe_cols"] == 128
+
+
 def test_tasks_are_spread_evenly_over_the_sms():
     s = Schedule(north(), 132, [8192] * 8)
     per_sm = np.diff(s.sm_offsets)
