@@ -27,6 +27,22 @@ __device__ __forceinline__ void prefetch_l2(const void *p, uint32_t bytes) {
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
 }
 
+// Counters between CTAs. After a barrier, one thread publishes the CTA's writes with an
+// acq_rel fence (cumulative over what the barrier ordered before it) and a relaxed add, as
+// CUTLASS's GenericBarrier does; __threadfence() would compile to the sequentially
+// consistent MEMBAR.SC and an L1 invalidation, which cost every task ~1 us.
+__device__ __forceinline__ void red_release(uint32_t *p, uint32_t v) {
+    asm volatile("fence.acq_rel.gpu;\n\tred.relaxed.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// An add that returns the old value, releasing the CTA's writes (as red_release) and
+// acquiring the writes the earlier adders released.
+__device__ __forceinline__ uint32_t atom_add_acq_rel(uint32_t *p, uint32_t v) {
+    uint32_t old;
+    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+    return old;
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

@@ -241,10 +241,9 @@ __device__ inline void run_attention(const Params &p, int layer, int b, int kvh,
     // The pair's last split to finish merges them all.
     __syncthreads();
     if (threadIdx.x == 0) {
-        __threadfence();
         uint32_t *ticket = p.attn_ticket + b * p.num_kv_heads + kvh;
-        s.last = atomicAdd(ticket, 1u) == (uint32_t)splits - 1;
-        if (s.last) *ticket = 0, __threadfence();
+        s.last = atom_add_acq_rel(ticket, 1u) == (uint32_t)splits - 1;
+        if (s.last) *ticket = 0;  // the next layer's splits of the pair start after this task's signal
     }
     __syncthreads();
     if (s.last) merge_splits(p, s, b, kvh, splits);

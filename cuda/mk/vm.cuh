@@ -28,10 +28,7 @@ __device__ __forceinline__ void wait_for(const uint32_t *counter, uint32_t targe
 // All threads' writes of the task are done (barrier), then one release-add.
 __device__ __forceinline__ void signal(uint32_t *counter) {
     __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        atomicAdd(counter, 1u);
-    }
+    if (threadIdx.x == 0) red_release(counter, 1u);
 }
 
 template <int B>
