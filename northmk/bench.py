@@ -153,7 +153,7 @@ def summarize_tasks(t: torch.Tensor) -> dict:
     end on the same clock (timeline_us), and the summed run time of each SM's tasks: its mean,
     min and max over the SMs that ran a task (sm_busy_us; records without the sm field count
     as SM 0's). DRAIN records, should a kernel write them, count only as opcode DRAIN."""
-    op_of, layer_of, sm_of = t[:, 3] & 0xFF, (t[:, 3] >> 8) & 0xFF, t[:, 3] >> 16
+    op_of, layer_of, sm_of = t[:, 3] & 0xFF, (t[:, 3] >> 8) & 0xFF, (t[:, 3] >> 16) & 0xFFFF
     ops = {}
     for op in Opcode:
         mine = t[op_of == op]
