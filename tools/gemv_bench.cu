@@ -150,6 +150,11 @@ __global__ void __launch_bounds__(kThreads, 1) tma_kernel(const __grid_constant_
     }
 }
 
+// Asks the TMA unit to pull [p, p + bytes) into L2 (both 16-byte aligned), without waiting.
+__device__ __forceinline__ void prefetch_l2(const void *p, uint32_t bytes) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+}
+
 // ---- k loops of the mma.sync GEMV, variants of common.cuh's tile_dot ---------------------------
 // Each adds rows lo, hi (the lane's rows g, g + 8) . input row g over k in [ka, kb) (multiples of
 // 32) into c, with the lane layout of tile_dot: 16 contiguous bytes per row and 32-wide k step.

@@ -22,11 +22,6 @@ __device__ __forceinline__ uint4 load_l2(const uint4 *p) { return __ldcg(p); }
 __device__ __forceinline__ uint2 load_l2(const uint2 *p) { return __ldcg(p); }
 __device__ __forceinline__ int32_t load_l2(const int32_t *p) { return __ldcg(p); }
 
-// Asks the TMA unit to pull [p, p + bytes) into L2 (both 16-byte aligned), without waiting.
-__device__ __forceinline__ void prefetch_l2(const void *p, uint32_t bytes) {
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-}
-
 // Counters between CTAs. After a barrier, one thread publishes the CTA's writes with an
 // acq_rel fence (cumulative over what the barrier ordered before it) and a relaxed add, as
 // CUTLASS's GenericBarrier does; __threadfence() would compile to the sequentially

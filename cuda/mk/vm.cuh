@@ -53,49 +53,22 @@ __device__ void run_task(const Params &p, const nmk_task &t, char *smem) {
     }
 }
 
-// The weights a task streams whenever they do not depend on this step's routing: one TMA
-// prefetch into L2 per contiguous range, issued before the task waits for its input.
-__device__ inline void prefetch_task(const Params &p, const nmk_task &t) {
-    const Layer &L = p.layers[t.layer];
-    const int H = p.hidden, Q = p.num_heads * kHeadDim;
-    auto rows = [&](const bf16 *w, int K, int tile_rows, int total) {
-        const int r0 = t.x * tile_rows, n = min(tile_rows, total - r0);
-        if (n > 0) prefetch_l2(w + (size_t)r0 * K, (uint32_t)n * K * sizeof(bf16));
-    };
-    switch (t.op) {
-        case NMK_OP_QKV: return rows(L.qkv, H, p.plan.qkv_rows, Q + 2 * p.num_kv_heads * kHeadDim);
-        case NMK_OP_ROUTER: return rows(L.router, H, p.plan.router_rows, p.num_experts);
-        case NMK_OP_OPROJ: return rows(L.o, Q, p.plan.oproj_rows, H);
-        case NMK_OP_LM_HEAD: return rows(p.embed, H, p.plan.lm_rows, p.vocab);
-        case NMK_OP_GATE_UP:
-            if (!L.dense) return;
-            rows(L.gate_up, H, p.plan.dense_cols, p.dense_inter);
-            return rows(L.gate_up + (size_t)p.dense_inter * H, H, p.plan.dense_cols, p.dense_inter);
-        case NMK_OP_DOWN:
-            if (L.dense) rows(L.down, p.dense_inter, p.plan.dense_down_rows, H);
-            return;
-        default: return;
-    }
-}
-
 __device__ __forceinline__ uint64_t global_ns() {
     uint64_t t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     return t;
 }
 
-// Task i of the step's array: prefetch its static weights, wait for its input, run, call
-// done() (thread 0 of the drain claims its next task there), signal; with timing on, record
-// when it began waiting, ran and ended, and which SM ran it.
+// Task i of the step's array: wait for its input, run, call done() (thread 0 of the drain
+// claims its next task there), signal; with timing on, record when it began waiting, ran and
+// ended, and which SM ran it. Nothing is prefetched: L2 prefetches of the static weights
+// before the wait lost 1-2% (benchmarks/NOTES.md).
 template <int B, class Done>
 __device__ void run_one(const Params &p, uint32_t i, char *smem, Done done) {
     const nmk_task t = p.tasks[i];
     const bool timed = p.timing && i < p.timing_capacity;
     uint64_t waited = timed ? global_ns() : 0;
-    if (t.wait >= 0) {
-        if (threadIdx.x == 0) prefetch_task(p, t);
-        wait_for(p.counters + t.wait, t.target);
-    }
+    if (t.wait >= 0) wait_for(p.counters + t.wait, t.target);
     uint64_t started = timed ? global_ns() : 0;
     run_task<B>(p, t, smem);
     done();
