@@ -5,7 +5,8 @@
 # (with .whl, as for gpu_run.sh).
 #   host:   tools/ab_bench.sh prepare base 17c7d34 && tools/ab_bench.sh prepare new HEAD
 #   device: tools/ab_bench.sh run --batch 1 8 --steps 256 --no-peer
-# Each result lands in $OUT/ab-NAME/; the last lines are one table row per (variant, batch).
+# Each result lands in $OUT/ab-NAME-rROUND/; the last lines are one table row per (variant,
+# round, batch).
 set -uo pipefail
 if [ "${1:-}" = prepare ]; then
   name=$2 rev=$3
@@ -23,6 +24,9 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 export PATH=$PATH:/usr/local/cuda/bin
 export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+# Build every variant, then bench them in turn AB_ROUNDS times (default 2): the device runs a
+# little faster as a call goes on, so each variant takes every position once per round.
+names=()
 for tree in ab/*/; do
   name=$(basename "$tree")
   t0=$(date +%s)
@@ -30,11 +34,20 @@ for tree in ab/*/; do
          cmake --build "build/ab-$name" -j 16 >>"$OUT/ab-$name.build.log" 2>&1; }; then
     echo "$name: build failed"; tail -20 "$OUT/ab-$name.build.log"; continue
   fi
-  NORTHMK_LIB=$PWD/build/ab-$name/libnorthmk.so timeout ${AB_TIMEOUT:-120} \
-    python3 -m northmk.bench decode --out "$OUT/ab-$name" "$@" >"$OUT/ab-$name.log" 2>&1
-  echo "$name: rc=$? in $(( $(date +%s) - t0 ))s"
+  echo "$name: built in $(( $(date +%s) - t0 ))s"
+  names+=("$name")
 done
-for tree in ab/*/; do
-  name=$(basename "$tree")
-  grep -E "^batch" "$OUT/ab-$name.log" 2>/dev/null | sed "s/^/$name  /"
+for round in $(seq "${AB_ROUNDS:-2}"); do
+  n=${#names[@]}
+  for k in $(seq 0 $(( n - 1 ))); do
+    name=${names[$(( (k + round - 1) % n ))]}
+    NORTHMK_LIB=$PWD/build/ab-$name/libnorthmk.so timeout ${AB_TIMEOUT:-120} \
+      python3 -m northmk.bench decode --out "$OUT/ab-$name-r$round" "$@" >"$OUT/ab-$name-r$round.log" 2>&1
+    echo "round $round: $name rc=$?"
+  done
+done
+for name in "${names[@]}"; do
+  for round in $(seq "${AB_ROUNDS:-2}"); do
+    grep -E "^batch" "$OUT/ab-$name-r$round.log" 2>/dev/null | sed "s/^/$name r$round  /"
+  done
 done
