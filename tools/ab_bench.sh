@@ -12,7 +12,8 @@ if [ "${1:-}" = prepare ]; then
   name=$2 rev=$3
   rm -rf "ab/$name" && mkdir -p "ab/$name"
   git archive "$rev" CMakeLists.txt pyproject.toml include cuda tools | tar -x -C "ab/$name"
-  echo "ab/$name: $(git rev-parse --short "$rev")"
+  git rev-parse --short "$rev" >"ab/$name/COMMIT"  # the results' commit (the device copy has no git)
+  echo "ab/$name: $(cat "ab/$name/COMMIT")"
   exit 0
 fi
 [ "${1:-}" = run ] || { echo "usage: $0 prepare NAME REV | run [bench args...]" >&2; exit 2; }
@@ -41,7 +42,7 @@ for round in $(seq "${AB_ROUNDS:-2}"); do
   n=${#names[@]}
   for k in $(seq 0 $(( n - 1 ))); do
     name=${names[$(( (k + round - 1) % n ))]}
-    NORTHMK_LIB=$PWD/build/ab-$name/libnorthmk.so timeout ${AB_TIMEOUT:-120} \
+    NORTHMK_COMMIT=$(cat "ab/$name/COMMIT") NORTHMK_LIB=$PWD/build/ab-$name/libnorthmk.so timeout ${AB_TIMEOUT:-120} \
       python3 -m northmk.bench decode --out "$OUT/ab-$name-r$round" "$@" >"$OUT/ab-$name-r$round.log" 2>&1
     echo "round $round: $name rc=$?"
   done
