@@ -338,6 +338,11 @@ def test_task_time_summary_follows_the_schedules_tasks():
     assert with_drains["ops"]["DRAIN"]["tasks"] == schedule.num_sms * schedule.num_queues
     assert with_drains["sm_busy_us"] == summary["sm_busy_us"] and with_drains["chain_us"] == summary["chain_us"]
 
+    # Bits above the SM field (a diagnostic build's extra data) change nothing.
+    tagged = timed.copy()
+    tagged[:, 3] |= (np.arange(len(tagged), dtype=np.int64) % 3) << 32
+    assert bench.summarize_tasks(torch.from_numpy(tagged)) == summary
+
 
 def test_the_commit_given_by_the_caller_wins_over_the_checkouts(monkeypatch):
     monkeypatch.setenv("NORTHMK_COMMIT", "abc1234-dirty")
