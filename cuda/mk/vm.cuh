@@ -62,7 +62,7 @@ __device__ __forceinline__ uint64_t global_ns() {
 // Task i of the step's array: wait for its input, run, call done() (thread 0 of the drain
 // claims its next task there), signal; with timing on, record when it began waiting, ran and
 // ended, and which SM ran it. Nothing is prefetched: L2 prefetches of the static weights
-// before the wait lost 1-2% (benchmarks/NOTES.md).
+// before the wait cost 1-2.5% of the step (benchmarks/NOTES.md).
 template <int B, class Done>
 __device__ void run_one(const Params &p, uint32_t i, char *smem, Done done) {
     const nmk_task t = p.tasks[i];
