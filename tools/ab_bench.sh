@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A/B runs of the decode benchmark in one device call: the library of each variant tree under
-# ab/ (made on the host by `tools/ab_bench.sh prepare NAME REV...`), built and benched in turn
+# ab/ (made on the host by `tools/ab_bench.sh prepare NAME REV`, once per variant), built and benched in turn
 # against this tree's Python package, with the same arguments. ab/ is ignored by git: carry it
 # (with .whl, as for gpu_run.sh).
 #   host:   tools/ab_bench.sh prepare base 17c7d34 && tools/ab_bench.sh prepare new HEAD
@@ -8,8 +8,11 @@
 # Each result lands in $OUT/ab-NAME-rROUND/; the last lines are one table row per (variant,
 # round, batch).
 set -uo pipefail
+shopt -s nullglob
 if [ "${1:-}" = prepare ]; then
+  [ $# -eq 3 ] || { echo "usage: $0 prepare NAME REV" >&2; exit 2; }
   name=$2 rev=$3
+  git rev-parse --verify -q "$rev^{commit}" >/dev/null || { echo "$0: $rev is not a revision" >&2; exit 2; }
   rm -rf "ab/$name" && mkdir -p "ab/$name"
   git archive "$rev" CMakeLists.txt pyproject.toml include cuda tools | tar -x -C "ab/$name"
   git rev-parse --short "$rev" >"ab/$name/COMMIT"  # the results' commit (the device copy has no git)
@@ -38,6 +41,7 @@ for tree in ab/*/; do
   echo "$name: built in $(( $(date +%s) - t0 ))s"
   names+=("$name")
 done
+[ ${#names[@]} -gt 0 ] || { echo "$0: no variant built (tools/ab_bench.sh prepare NAME REV first)" >&2; exit 1; }
 for round in $(seq "${AB_ROUNDS:-2}"); do
   n=${#names[@]}
   for k in $(seq 0 $(( n - 1 ))); do
