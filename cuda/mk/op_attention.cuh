@@ -1,10 +1,11 @@
 // NMK_OP_ATTN: one split of one (row, kv head): the row's live keys are cut into `splits`
-// page ranges at run time. Warps take 8-key chunks, the next one's loads in flight: scores
-// of the group's query heads by tensor cores (S = Q K^T, heads as the mma's rows, keys as
-// its 8 columns), an online softmax per head, then P V by FMAs with each lane owning 4 dims.
-// The warps merge into the split's partial (acc, max, sum); the last split of the pair to
-// finish merges the splits into attn_out (a ticket per pair in global memory), so o-proj
-// waits on ATTN alone.
+// page ranges at run time. The TMA unit streams the split's pages (the kv head's 64 keys and
+// 64 values of a page, 16 KB each) into a ring of kAttnSlots slots in shared memory; warp w
+// takes keys 8w .. 8w + 7 of every page: scores of the group's query heads by tensor cores
+// (S = Q K^T, heads as the mma's rows, keys as its 8 columns), an online softmax per head,
+// then P V by FMAs with each lane owning 4 dims. The warps merge into the split's partial
+// (acc, max, sum); the last split of the pair to finish merges the splits into attn_out (a
+// ticket per pair in global memory), so o-proj waits on ATTN alone.
 #pragma once
 
 #include "common.cuh"
@@ -13,26 +14,36 @@ namespace nmk::mk {
 
 constexpr int kPartStride = kHeadDim + 2;  // acc[head_dim], max, sum
 constexpr int kQStride = kHeadDim + 8;     // bf16 per query head in shared memory
-constexpr int kChunk = 8;                  // keys a warp takes at a time: one n8 tile of the mma
-constexpr int kTiles = kChunk / 8;
+constexpr int kChunk = 8;                  // keys a warp takes of a page: one n8 tile of the mma
+constexpr int kAttnSlots = 3;              // pages in flight per SM (96 KB)
+constexpr int kSlabBytes = kPage * kHeadDim * sizeof(bf16);  // a kv head's keys (or values) of a page
+constexpr int kAttnRingBytes = kAttnSlots * 2 * kSlabBytes;   // at smem offset 0
+constexpr int kListedPages = 128;          // page numbers a split reads up front; later ones from the table
+static_assert(kChunk * kWarps == kPage, "the warps split a page's keys");
 
 __device__ __forceinline__ float *part_of(const Params &p, int b, int kvh, int split, int g) {
     int group = p.num_heads / p.num_kv_heads;
     return p.part + ((((size_t)b * p.num_kv_heads + kvh) * NMK_MK_MAX_SPLITS + split) * group + g) * kPartStride;
 }
 
+// After the ring, in the task's shared memory.
 struct AttnSmem {
     bf16 q[kMaxGroup][kQStride];
     float p[kWarps][kChunk][kMaxGroup];  // per warp: probabilities of its chunk's keys
     float corr[kWarps][kMaxGroup];
     float m[kWarps][kMaxGroup], l[kWarps][kMaxGroup];
-    float acc[kWarps][kMaxGroup][kHeadDim];
     float split_w[NMK_MK_MAX_SPLITS][kMaxGroup], split_l[NMK_MK_MAX_SPLITS][kMaxGroup];
     float den[kMaxGroup];
+    int32_t page[kListedPages];  // physical pages of the split's first kListedPages pages
+    uint64_t full[kAttnSlots];   // a slot's page has landed (thread 0's arrival + the bytes)
+    uint64_t empty[kAttnSlots];  // every warp is done with a slot's page
     int last;
 };
+// The warps' accumulators for their merge; they take the ring's place once every page is read.
+using WarpAcc = float[kWarps][kMaxGroup][kHeadDim];
 
-static_assert(sizeof(AttnSmem) <= kTaskSmemBytes, "attention's shared memory must stay below kTaskSmemBytes");
+static_assert(sizeof(WarpAcc) <= kAttnRingBytes, "the warps' accumulators alias the ring");
+static_assert(kAttnRingBytes + sizeof(AttnSmem) <= kTaskSmemBytes, "attention's shared memory must stay below kTaskSmemBytes");
 static_assert(kMaxGroup * kHeadDim % kThreads == 0, "merge_splits gives each thread the same number of outputs");
 
 // Merges the splits of (b, kvh) from their partials into attn_out.
@@ -94,7 +105,8 @@ __device__ inline void merge_splits(const Params &p, AttnSmem &s, int b, int kvh
 
 __device__ inline void run_attention(const Params &p, int layer, int b, int kvh, int split, int splits, char *smem) {
     const Layer &L = p.layers[layer];
-    AttnSmem &s = *reinterpret_cast<AttnSmem *>(smem);
+    char *ring = smem;
+    AttnSmem &s = *reinterpret_cast<AttnSmem *>(smem + kAttnRingBytes);
     const int G = p.num_heads / p.num_kv_heads, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, t = lane & 3;
     const int pos = p.positions[b];
@@ -102,8 +114,36 @@ __device__ inline void run_attention(const Params &p, int layer, int b, int kvh,
     const int first_page = lo / kPage, pages = pos / kPage - first_page + 1;
     const int key0 = max(lo, (first_page + split * pages / splits) * kPage);
     const int key1 = min(pos + 1, (first_page + (split + 1) * pages / splits) * kPage);
+    const int pg0 = key0 / kPage, np = key1 > key0 ? (key1 - 1) / kPage - pg0 + 1 : 0;  // pages the split reads
     const float scale = rsqrtf((float)kHeadDim);
+    const int32_t *table = p.tables[L.group] + (size_t)b * p.table_cols + pg0;
+    const bf16 *keys = L.kv + (size_t)kvh * kPage * kHeadDim;  // + page * page_stride; values a slab further
+    const size_t values = (size_t)p.num_kv_heads * kPage * kHeadDim;
 
+    // Thread 0: page i (physical `page`) into slot i % kAttnSlots once every warp has released
+    // the slot's previous page (i - kAttnSlots).
+    auto issue = [&](int i, int page) {
+        const int slot = i % kAttnSlots;
+        if (i >= kAttnSlots) mbar_wait(&s.empty[slot], ((i / kAttnSlots) & 1) ^ 1);
+        if (page < 0) __trap();  // the host guarantees a page for every position it sends
+        const bf16 *src = keys + (size_t)page * L.page_stride;
+        char *dst = ring + slot * 2 * kSlabBytes;
+        mbar_arrive_expect(&s.full[slot], 2 * kSlabBytes);
+        bulk_load(dst, src, kSlabBytes, &s.full[slot]);
+        bulk_load(dst + kSlabBytes, src + values, kSlabBytes, &s.full[slot]);
+    };
+    if (threadIdx.x == 0) {
+        for (int j = 0; j < kAttnSlots; j++) mbar_init(&s.full[j], 1), mbar_init(&s.empty[j], kWarps);
+        mbar_init_fence();
+        fence_proxy_async();  // the keys QKV wrote (acquired by the wait) and this smem's last use
+        int first[kAttnSlots];
+#pragma unroll
+        for (int i = 0; i < kAttnSlots; i++) first[i] = i < np ? load_l2(table + i) : 0;
+#pragma unroll
+        for (int i = 0; i < kAttnSlots; i++)
+            if (i < np) issue(i, first[i]);
+    }
+    for (int i = threadIdx.x; i < min(np, kListedPages); i += kThreads) s.page[i] = load_l2(table + i);
     // The group's queries (bf16-exact values) as bf16; heads past G are zero.
     for (int i = threadIdx.x; i < kMaxGroup * kHeadDim; i += kThreads) {
         const int h = i / kHeadDim, d = i % kHeadDim;
@@ -122,105 +162,82 @@ __device__ inline void run_attention(const Params &p, int layer, int b, int kvh,
 #pragma unroll
         for (int i = 0; i < 4; i++) acc[h][i] = 0.f;
 
-    // Warp w takes the kChunk-key chunks base + kChunk (w + 8 i). The next chunk's keys and
-    // values are in flight while this one is computed, and the page of the one after that.
-    const int base = key0 / kChunk * kChunk, stride = kChunk * kWarps;
-    const int32_t *table = p.tables[L.group] + (size_t)b * p.table_cols;
-    auto page_of = [&](int kc) { return kc < key1 ? load_l2(table + kc / kPage) : 0; };
-    auto load_chunk = [&](int page, int kc, uint4 (&kr)[kTiles][kHeadDim / 32], uint2 (&vr)[kChunk]) {
-        if (page < 0) __trap();  // the host guarantees a page for every position it sends
-        const bf16 *kp = L.kv + page * L.page_stride + ((size_t)kvh * kPage + kc % kPage) * kHeadDim;
-        const bf16 *vp = kp + (size_t)p.num_kv_heads * kPage * kHeadDim;
-#pragma unroll
-        for (int n = 0; n < kTiles; n++)
-#pragma unroll
-            for (int j = 0; j < kHeadDim / 32; j++)
-                kr[n][j] = load_l2(reinterpret_cast<const uint4 *>(kp + (8 * n + g) * kHeadDim + 32 * j + 8 * t));
-#pragma unroll
-        for (int j = 0; j < kChunk; j++) vr[j] = load_l2(reinterpret_cast<const uint2 *>(vp + j * kHeadDim + 4 * lane));
-    };
-    int kc = base + kChunk * warp;
-    uint4 kr[kTiles][kHeadDim / 32] = {};
-    uint2 vr[kChunk] = {};
-    int next_page = page_of(kc + stride);
-    if (kc < key1) load_chunk(page_of(kc), kc, kr, vr);
-    for (; kc < key1; kc += stride) {
-        uint4 nkr[kTiles][kHeadDim / 32] = {};
-        uint2 nvr[kChunk] = {};
-        const int kn = kc + stride;
-        if (kn < key1) {
-            load_chunk(next_page, kn, nkr, nvr);
-            next_page = page_of(kn + stride);
-        }
-        // sc[n]: scores of head g for keys kc + 8n + 2t, + 1 (c[2], c[3]: the zero heads 8..15)
-        float sc[kTiles][4];
-#pragma unroll
-        for (int n = 0; n < kTiles; n++) {
-            sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.f;
+    for (int i = 0; i < np; i++) {
+        const int slot = i % kAttnSlots, kc = (pg0 + i) * kPage + kChunk * warp;
+        mbar_wait(&s.full[slot], (i / kAttnSlots) & 1);
+        // Warp's keys kc .. kc + 7 and their values; a chunk with no live key is skipped whole.
+        const bf16 *ks = reinterpret_cast<const bf16 *>(ring + slot * 2 * kSlabBytes) + kChunk * warp * kHeadDim;
+        const bf16 *vs = ks + kPage * kHeadDim;
+        if (kc < key1 && kc + kChunk > key0) {
+            // sc: scores of head g for keys kc + 2t, + 1 (c[2], c[3]: the zero heads 8..15)
+            float sc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
             for (int j = 0; j < kHeadDim / 32; j++) {
-                mma_bf16(sc[n], qa[j].x, 0u, qa[j].y, 0u, kr[n][j].x, kr[n][j].y);
-                mma_bf16(sc[n], qa[j].z, 0u, qa[j].w, 0u, kr[n][j].z, kr[n][j].w);
+                const uint4 kr = *reinterpret_cast<const uint4 *>(ks + g * kHeadDim + 32 * j + 8 * t);
+                mma_bf16(sc, qa[j].x, 0u, qa[j].y, 0u, kr.x, kr.y);
+                mma_bf16(sc, qa[j].z, 0u, qa[j].w, 0u, kr.z, kr.w);
             }
-        }
-        float v4[2 * kTiles], mx = -INFINITY;
+            float v2[2], mx = -INFINITY;
 #pragma unroll
-        for (int i = 0; i < 2 * kTiles; i++) {
-            const int key = kc + 8 * (i >> 1) + 2 * t + (i & 1);
-            v4[i] = key >= key0 && key < key1 ? sc[i >> 1][i & 1] * scale : -INFINITY;
-            mx = fmaxf(mx, v4[i]);
-        }
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_new = fmaxf(m, mx);  // finite: every chunk has a live key
-        const float corr = __expf(m - m_new);
-        float sum = 0.f;
+            for (int i2 = 0; i2 < 2; i2++) {
+                const int key = kc + 2 * t + i2;
+                v2[i2] = key >= key0 && key < key1 ? sc[i2] * scale : -INFINITY;
+                mx = fmaxf(mx, v2[i2]);
+            }
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float m_new = fmaxf(m, mx);  // finite: the chunk has a live key
+            const float corr = __expf(m - m_new);
+            float sum = 0.f;
 #pragma unroll
-        for (int i = 0; i < 2 * kTiles; i++) {
-            const float e = __expf(v4[i] - m_new);
-            s.p[warp][8 * (i >> 1) + 2 * t + (i & 1)][g] = e;
-            sum += e;
-        }
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        l = l * corr + sum, m = m_new;
-        if (t == 0) s.corr[warp][g] = corr;
-        __syncwarp();
-#pragma unroll
-        for (int h = 0; h < kMaxGroup; h++) {
-            const float c = s.corr[warp][h];
-#pragma unroll
-            for (int i = 0; i < 4; i++) acc[h][i] *= c;
-        }
-#pragma unroll
-        for (int j = 0; j < kChunk; j++) {
-            if (kc + j < key0 || kc + j >= key1) continue;  // the same for the whole warp; V there may be garbage
-            const __nv_bfloat162 *v2 = reinterpret_cast<const __nv_bfloat162 *>(&vr[j]);
-            const float2 va = __bfloat1622float2(v2[0]), vb = __bfloat1622float2(v2[1]);
-            const float4 pa = *reinterpret_cast<const float4 *>(&s.p[warp][j][0]);
-            const float4 pb = *reinterpret_cast<const float4 *>(&s.p[warp][j][4]);
-            const float pj[8] = {pa.x, pa.y, pa.z, pa.w, pb.x, pb.y, pb.z, pb.w};
+            for (int i2 = 0; i2 < 2; i2++) {
+                const float e = __expf(v2[i2] - m_new);
+                s.p[warp][2 * t + i2][g] = e;
+                sum += e;
+            }
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+            l = l * corr + sum, m = m_new;
+            if (t == 0) s.corr[warp][g] = corr;
+            __syncwarp();
 #pragma unroll
             for (int h = 0; h < kMaxGroup; h++) {
-                acc[h][0] = fmaf(pj[h], va.x, acc[h][0]);
-                acc[h][1] = fmaf(pj[h], va.y, acc[h][1]);
-                acc[h][2] = fmaf(pj[h], vb.x, acc[h][2]);
-                acc[h][3] = fmaf(pj[h], vb.y, acc[h][3]);
+                const float c = s.corr[warp][h];
+#pragma unroll
+                for (int i2 = 0; i2 < 4; i2++) acc[h][i2] *= c;
+            }
+#pragma unroll
+            for (int j = 0; j < kChunk; j++) {
+                if (kc + j < key0 || kc + j >= key1) continue;  // the same for the whole warp; V there may be garbage
+                const uint2 vr = *reinterpret_cast<const uint2 *>(vs + j * kHeadDim + 4 * lane);
+                const __nv_bfloat162 *vh = reinterpret_cast<const __nv_bfloat162 *>(&vr);
+                const float2 va = __bfloat1622float2(vh[0]), vb = __bfloat1622float2(vh[1]);
+                const float4 pa = *reinterpret_cast<const float4 *>(&s.p[warp][j][0]);
+                const float4 pb = *reinterpret_cast<const float4 *>(&s.p[warp][j][4]);
+                const float pj[8] = {pa.x, pa.y, pa.z, pa.w, pb.x, pb.y, pb.z, pb.w};
+#pragma unroll
+                for (int h = 0; h < kMaxGroup; h++) {
+                    acc[h][0] = fmaf(pj[h], va.x, acc[h][0]);
+                    acc[h][1] = fmaf(pj[h], va.y, acc[h][1]);
+                    acc[h][2] = fmaf(pj[h], vb.x, acc[h][2]);
+                    acc[h][3] = fmaf(pj[h], vb.y, acc[h][3]);
+                }
             }
         }
-        __syncwarp();
-#pragma unroll
-        for (int n = 0; n < kTiles; n++)
-#pragma unroll
-            for (int j = 0; j < kHeadDim / 32; j++) kr[n][j] = nkr[n][j];
-#pragma unroll
-        for (int j = 0; j < kChunk; j++) vr[j] = nvr[j];
+        __syncwarp();  // the warp's reads of the slot (and of s.p) are done
+        if (lane == 0) mbar_arrive(&s.empty[slot]);
+        const int next = i + kAttnSlots;
+        if (threadIdx.x == 0 && next < np) issue(next, next < kListedPages ? s.page[next] : load_l2(table + next));
     }
-    // Merge the warps into this split's partial.
+    // Merge the warps into this split's partial; their accumulators go where the ring was.
     if (t == 0) s.m[warp][g] = m, s.l[warp][g] = l;
+    __syncthreads();  // every page is read and landed: the ring and its barriers are free
+    if (threadIdx.x == 0)
+        for (int j = 0; j < kAttnSlots; j++) mbar_inval(&s.full[j]), mbar_inval(&s.empty[j]);
+    WarpAcc &wacc = *reinterpret_cast<WarpAcc *>(ring);
 #pragma unroll
     for (int h = 0; h < kMaxGroup; h++)
-        *reinterpret_cast<float4 *>(&s.acc[warp][h][4 * lane]) = make_float4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]);
+        *reinterpret_cast<float4 *>(&wacc[warp][h][4 * lane]) = make_float4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]);
     __syncthreads();
     float *mine = part_of(p, b, kvh, split, 0);
     for (int i = threadIdx.x; i < G * kHeadDim; i += kThreads) {
@@ -232,7 +249,7 @@ __device__ inline void run_attention(const Params &p, int layer, int b, int kvh,
             for (int w = 0; w < kWarps; w++) {
                 if (s.m[w][h] == -INFINITY) continue;
                 const float e = __expf(s.m[w][h] - mx);
-                num += s.acc[w][h][d] * e, den += s.l[w][h] * e;
+                num += wacc[w][h][d] * e, den += s.l[w][h] * e;
             }
         float *out = mine + h * kPartStride;
         out[d] = num;
