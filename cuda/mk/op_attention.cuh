@@ -36,7 +36,7 @@ struct AttnSmem {
     float den[kMaxGroup];
     int32_t page[kListedPages];  // physical pages of the split's first kListedPages pages
     uint64_t full[kAttnSlots];   // a slot's page has landed (thread 0's arrival + the bytes)
-    uint64_t empty[kAttnSlots];  // every warp is done with a slot's page
+    uint64_t empty[kAttnSlots];  // every thread is done with a slot's page
     int last;
 };
 // The warps' accumulators for their merge; they take the ring's place once every page is read.
@@ -120,11 +120,14 @@ __device__ inline void run_attention(const Params &p, int layer, int b, int kvh,
     const bf16 *keys = L.kv + (size_t)kvh * kPage * kHeadDim;  // + page * page_stride; values a slab further
     const size_t values = (size_t)p.num_kv_heads * kPage * kHeadDim;
 
-    // Thread 0: page i (physical `page`) into slot i % kAttnSlots once every warp has released
+    // Thread 0: page i (physical `page`) into slot i % kAttnSlots once every thread has released
     // the slot's previous page (i - kAttnSlots).
     auto issue = [&](int i, int page) {
         const int slot = i % kAttnSlots;
-        if (i >= kAttnSlots) mbar_wait(&s.empty[slot], ((i / kAttnSlots) & 1) ^ 1);
+        if (i >= kAttnSlots) {
+            mbar_wait(&s.empty[slot], ((i / kAttnSlots) & 1) ^ 1);
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // after the slot's readers
+        }
         if (page < 0) __trap();  // the host guarantees a page for every position it sends
         const bf16 *src = keys + (size_t)page * L.page_stride;
         char *dst = ring + slot * 2 * kSlabBytes;
@@ -133,7 +136,7 @@ __device__ inline void run_attention(const Params &p, int layer, int b, int kvh,
         bulk_load(dst + kSlabBytes, src + values, kSlabBytes, &s.full[slot]);
     };
     if (threadIdx.x == 0) {
-        for (int j = 0; j < kAttnSlots; j++) mbar_init(&s.full[j], 1), mbar_init(&s.empty[j], kWarps);
+        for (int j = 0; j < kAttnSlots; j++) mbar_init(&s.full[j], 1), mbar_init(&s.empty[j], kThreads);
         mbar_init_fence();
         fence_proxy_async();  // the keys QKV wrote (acquired by the wait) and this smem's last use
         int first[kAttnSlots];
@@ -224,8 +227,8 @@ __device__ inline void run_attention(const Params &p, int layer, int b, int kvh,
                 }
             }
         }
-        __syncwarp();  // the warp's reads of the slot (and of s.p) are done
-        if (lane == 0) mbar_arrive(&s.empty[slot]);
+        __syncwarp();  // the warp's reads of s.p are done before its next chunk writes it
+        mbar_arrive(&s.empty[slot]);  // every thread releases its own reads of the slot
         const int next = i + kAttnSlots;
         if (threadIdx.x == 0 && next < np) issue(next, next < kListedPages ? s.page[next] : load_l2(table + next));
     }
