@@ -539,7 +539,7 @@ typedef struct nmk_mk_step_args {
     uint32_t batch;                      /* 1..NMK_MK_MAX_BATCH */
     const int32_t *host_positions;       /* [batch] host: position of each row's new token */
     const int32_t *tokens;               /* [batch] device: input token of each row */
-    const int32_t *positions;            /* [batch] device: the same positions */
+    const int32_t *positions;            /* unused, may be NULL: the kernel takes host_positions by value */
     const int32_t *block_tables[NMK_KV_MAX_GROUPS];  /* device, per group [batch][table_cols] */
     uint32_t table_cols;
     float *logits;                       /* device fp32 [batch, vocab], written */

@@ -117,12 +117,16 @@ def bench_megakernel(config, weights, batch: int, context: int, steps: int, warm
     mk = Megakernel(config, weights, kv)
     tokens = torch.randint(0, config.vocab_size, (batch,), dtype=torch.int32, device="cuda")
     positions = [context - 1] * batch
-    for _ in range(warmup):
-        _, tokens = mk.step(tokens, positions, tables)
+    # The outputs live across steps, as a serving loop keeps them: the logits, and the sampled
+    # tokens in two buffers (a step's input is the other one).
+    logits = torch.empty(batch, config.vocab_size, dtype=torch.float32, device="cuda")
+    outs = [torch.empty(batch, dtype=torch.int32, device="cuda") for _ in range(2)]
+    for i in range(warmup):
+        _, tokens = mk.step(tokens, positions, tables, logits, outs[i % 2])
     torch.cuda.synchronize()
     start = time.perf_counter()
-    for _ in range(steps):  # as the native loop runs it: step, then publish tokens to the host
-        _, tokens = mk.step(tokens, positions, tables)
+    for i in range(steps):  # as the native loop runs it: step, then publish tokens to the host
+        _, tokens = mk.step(tokens, positions, tables, logits, outs[(warmup + i) % 2])
         tokens.tolist()
     seconds = (time.perf_counter() - start) / steps
     timing, task_times = profile(mk, tokens, positions, tables)

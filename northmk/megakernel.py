@@ -356,17 +356,24 @@ class Megakernel:
         if any(t.shape[0] != b or t.shape[1] != tables[0].shape[1] for t in tables):
             raise ValueError("block tables must all be [B, cols]")
         tokens = tokens.to(dev, torch.int32).contiguous()
-        pos_dev = torch.tensor(positions, dtype=torch.int32, device=dev)
         if logits is None:
             logits = torch.empty(b, self.config.vocab_size, dtype=torch.float32, device=dev)
+        elif (logits.shape != (b, self.config.vocab_size) or logits.dtype != torch.float32
+              or logits.device != dev or not logits.is_contiguous()):
+            raise ValueError(f"logits must be contiguous float32 [{b}, {self.config.vocab_size}] on {dev}")
         if next_tokens is None:
             next_tokens = torch.empty(b, dtype=torch.int32, device=dev)
+        elif (next_tokens.shape != (b,) or next_tokens.dtype != torch.int32 or next_tokens.device != dev
+              or not next_tokens.is_contiguous()):
+            raise ValueError(f"next_tokens must be contiguous int32 [{b}] on {dev}")
+        if next_tokens.data_ptr() == tokens.data_ptr():
+            raise ValueError("next_tokens must not be the input tokens' buffer")
         host_pos = (c_int32 * b)(*positions)
-        args = StepArgs(batch=b, host_positions=host_pos, tokens=tokens.data_ptr(), positions=pos_dev.data_ptr(),
+        args = StepArgs(batch=b, host_positions=host_pos, tokens=tokens.data_ptr(),
                         table_cols=tables[0].shape[1], logits=logits.data_ptr(), next_tokens=next_tokens.data_ptr())
         for g, t in enumerate(tables):
             args.block_tables[g] = t.data_ptr()
         stream = torch.cuda.current_stream(dev).cuda_stream
         check(_lib().nmk_mk_step(self._handle, byref(args), stream))
-        self._keep = (tokens, pos_dev, tables)  # alive until the next step is enqueued
+        self._keep = (tokens, tables)  # alive until the next step is enqueued
         return logits, next_tokens

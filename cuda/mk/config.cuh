@@ -45,7 +45,8 @@ struct Params {
     const Layer *layers;
     const bf16 *embed, *final_norm;
     // step inputs and outputs
-    const int32_t *tokens, *positions;
+    const int32_t *tokens;
+    int32_t positions[NMK_MK_MAX_BATCH];  // by value: read from the parameter bank, no load from memory
     const int32_t *tables[NMK_KV_MAX_GROUPS];
     int table_cols;
     float *logits;

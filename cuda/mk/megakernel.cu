@@ -245,7 +245,7 @@ NMK_API nmk_status nmk_mk_set_timing(nmk_mk *mk, uint64_t *buffer, uint32_t capa
 }
 
 NMK_API nmk_status nmk_mk_step(nmk_mk *mk, const nmk_mk_step_args *a, void *stream) {
-    NMK_REQUIRE(mk && a && a->host_positions && a->tokens && a->positions && a->logits && a->next_tokens,
+    NMK_REQUIRE(mk && a && a->host_positions && a->tokens && a->logits && a->next_tokens,
                 "nmk_mk_step: NULL argument");
     NMK_REQUIRE(a->batch >= 1 && a->batch <= NMK_MK_MAX_BATCH, "nmk_mk_step: batch must be in [1, %d], got %u",
                 NMK_MK_MAX_BATCH, a->batch);
@@ -264,7 +264,8 @@ NMK_API nmk_status nmk_mk_step(nmk_mk *mk, const nmk_mk_step_args *a, void *stre
         nmk::mk::Params p = mk->params;
         p.plan = s.plan;
         p.tasks = s.tasks, p.sm_offsets = s.sm_offsets, p.queue_offsets = s.queue_offsets, p.counters = s.counters;
-        p.tokens = a->tokens, p.positions = a->positions;
+        p.tokens = a->tokens;
+        for (uint32_t r = 0; r < a->batch; r++) p.positions[r] = a->host_positions[r];
         for (int g = 0; g < NMK_KV_MAX_GROUPS; g++) p.tables[g] = a->block_tables[g];
         p.table_cols = static_cast<int>(a->table_cols);
         p.logits = a->logits, p.next_tokens = a->next_tokens;

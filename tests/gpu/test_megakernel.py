@@ -221,9 +221,9 @@ def test_task_timing_covers_every_task_of_the_step():
 
 
 def test_unwritten_cache_slots_never_reach_the_output():
-    """Attention reads keys in 16-key chunks: slots outside a row's live range (past its
-    position, before a sliding window's start) share those chunks and may hold anything,
-    NaN included; they must not change a single logit."""
+    """Attention reads whole pages: slots outside a row's live range (past its position,
+    before a sliding window's start) share those pages and may hold anything, NaN included;
+    they must not change a single logit."""
     config = north(num_layers=2)
     weights = synthetic_weights(config, torch.bfloat16, "cuda", seed=12)
     contexts = [4107, 37, 8193]  # a sliding window starting mid-chunk, a short row, a full layer past 8K
@@ -246,3 +246,27 @@ def test_unwritten_cache_slots_never_reach_the_output():
     torch.cuda.synchronize()
     assert torch.isfinite(poisoned).all()
     assert torch.equal(clean, poisoned)
+
+
+def test_step_writes_the_buffers_it_is_given_and_refuses_wrong_ones():
+    config = north(num_layers=1)
+    weights = synthetic_weights(config, torch.bfloat16, "cuda", seed=21)
+    kv, tables = noisy_cache(config, 2, 200, seed=22)
+    mk = Megakernel(config, weights, kv)
+    tokens = torch.tensor([7, 9], dtype=torch.int32, device="cuda")
+    positions = [150, 199]
+    fresh_logits, fresh_next = mk.step(tokens, positions, tables)
+    logits = torch.full((2, config.vocab_size), float("nan"), device="cuda")
+    next_tokens = torch.full((2,), -1, dtype=torch.int32, device="cuda")
+    got_logits, got_next = mk.step(tokens, positions, tables, logits, next_tokens)
+    torch.cuda.synchronize()
+    assert got_logits.data_ptr() == logits.data_ptr() and got_next.data_ptr() == next_tokens.data_ptr()
+    assert torch.equal(logits, fresh_logits) and torch.equal(next_tokens, fresh_next)
+    with pytest.raises(ValueError, match="logits must be"):
+        mk.step(tokens, positions, tables, logits[:1])
+    with pytest.raises(ValueError, match="logits must be"):
+        mk.step(tokens, positions, tables, logits.double())
+    with pytest.raises(ValueError, match="next_tokens must be"):
+        mk.step(tokens, positions, tables, logits, next_tokens.long())
+    with pytest.raises(ValueError, match="input tokens' buffer"):
+        mk.step(tokens, positions, tables, logits, tokens)
