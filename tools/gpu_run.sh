@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # THE device script: install carried wheels, build libnorthmk with CUDA, then each stage
 # that is switched on; logs under $OUT, a short table last.
-#   SANITIZE=1  compute-sanitizer memcheck + racecheck on one step of a small 2-layer model
+#   SANITIZE=1  compute-sanitizer memcheck + racecheck on one step of a small 2-layer model, and
+#               racecheck on tools/racecheck_bulk_probe.cu (the bulk-copy handshakes alone)
 #   DIAG=1      per-layer divergence of full-geometry steps (tools/mk_diagnose.py)
 #   TESTS=1     the GPU tests (pytest -k "$1")        BENCH=1  the decode benchmark (args after $1)
 #   SERVER=1    the server's API tests with the engine on the GPU (the tiny model: PyTorch backend)
@@ -42,6 +43,14 @@ if [ "$GEMV" = 1 ]; then
   echo "gemv bench rc=$gemv_rc in $(( $(date +%s) - t0 ))s"
 fi
 if [ "$SANITIZE" = 1 ]; then
+  # racecheck on the bulk-copy handshakes alone (tools/racecheck_bulk_probe.cu): what the tool
+  # reports there is its model of the pattern, which the attention ring shares
+  nvcc -arch=sm_90a -std=c++17 -I include -I cuda tools/racecheck_bulk_probe.cu -o build/racecheck_bulk_probe \
+    >"$OUT/sanitize-probe.log" 2>&1 \
+    && timeout 60 compute-sanitizer --tool racecheck --error-exitcode 9 --print-limit 5 build/racecheck_bulk_probe \
+    >>"$OUT/sanitize-probe.log" 2>&1
+  rc=$?; san_rc="$san_rc probe=$rc"
+  echo "racecheck probe rc=$rc"; grep -E "RACECHECK SUMMARY|probe:|Error" "$OUT/sanitize-probe.log" | head -4
   for tool in memcheck racecheck; do
     t0=$(date +%s)
     timeout 75 compute-sanitizer --tool $tool --error-exitcode 9 --print-limit 20 \
