@@ -32,7 +32,7 @@ __global__ void probe(const uint32_t *src, uint32_t *sums) {
         mbar_arrive(&empty);  // this thread's reads of the slot are done
         if (threadIdx.x == 0 && round == 0) {
             mbar_wait(&empty, 0);
-            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+            fence_proxy_async_shared();
             mbar_arrive_expect(&full, kBytes);
             bulk_load(slot, src + kWords, kBytes, &full);
         }

@@ -84,9 +84,13 @@ __device__ __forceinline__ void bulk_load(void *dst, const void *src, uint32_t b
 }
 
 // Orders this thread's earlier accesses through the generic proxy (and those acquired from
-// other SMs) before its later bulk copies, for global and shared memory.
+// other SMs) before its later bulk copies: shared memory only, or global and shared memory.
+__device__ __forceinline__ void fence_proxy_async_shared() {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
 __device__ __forceinline__ void fence_proxy_async() {
-    asm volatile("fence.proxy.async.global;\n\tfence.proxy.async.shared::cta;" ::: "memory");
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+    fence_proxy_async_shared();
 }
 
 __device__ __forceinline__ float warp_sum(float v) {

@@ -126,7 +126,7 @@ __device__ inline void run_attention(const Params &p, int layer, int b, int kvh,
         const int slot = i % kAttnSlots;
         if (i >= kAttnSlots) {
             mbar_wait(&s.empty[slot], ((i / kAttnSlots) & 1) ^ 1);
-            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // after the slot's readers
+            fence_proxy_async_shared();  // after the slot's readers
         }
         if (page < 0) __trap();  // the host guarantees a page for every position it sends
         const bf16 *src = keys + (size_t)page * L.page_stride;
