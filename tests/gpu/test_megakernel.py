@@ -226,7 +226,7 @@ def test_unwritten_cache_slots_never_reach_the_output():
     they must not change a single logit."""
     config = north(num_layers=2)
     weights = synthetic_weights(config, torch.bfloat16, "cuda", seed=12)
-    contexts = [4107, 37, 8193]  # a sliding window starting mid-chunk, a short row, a full layer past 8K
+    contexts = [4107, 37, 8193]  # a sliding window starting mid-page, a short row, a full layer past 8K
     positions = [c - 1 for c in contexts]
     kv_clean, tables = noisy_cache(config, len(contexts), max(contexts), seed=13)
     kv_nan = copy_cache(config, kv_clean)
