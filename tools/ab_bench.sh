@@ -28,19 +28,28 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 export PATH=$PATH:/usr/local/cuda/bin
 export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
-# Build every variant, then bench them in turn AB_ROUNDS times (default 2): the device runs a
-# little faster as a call goes on, so each variant takes every position once per round.
-names=()
-for tree in ab/*/; do
+# Build every variant (all at once, sharing the cores), then bench them in turn AB_ROUNDS times
+# (default 2): the device runs a little faster as a call goes on, so each variant takes every
+# position once per round.
+trees=(ab/*/)
+jobs=$(( $(nproc) / ${#trees[@]} )); [ "$jobs" -ge 1 ] || jobs=1
+t0=$(date +%s)
+for tree in "${trees[@]}"; do
   name=$(basename "$tree")
-  t0=$(date +%s)
-  if ! { cmake -S "$tree" -B "build/ab-$name" -G Ninja -DNORTHMK_CUDA=auto >"$OUT/ab-$name.build.log" 2>&1 &&
-         cmake --build "build/ab-$name" -j 16 >>"$OUT/ab-$name.build.log" 2>&1; }; then
+  { cmake -S "$tree" -B "build/ab-$name" -G Ninja -DNORTHMK_CUDA=auto >"$OUT/ab-$name.build.log" 2>&1 &&
+    cmake --build "build/ab-$name" -j "$jobs" >>"$OUT/ab-$name.build.log" 2>&1; echo $? >"$OUT/ab-$name.build.rc"; } &
+done
+wait
+names=()
+for tree in "${trees[@]}"; do
+  name=$(basename "$tree")
+  if [ "$(cat "$OUT/ab-$name.build.rc")" != 0 ]; then
     echo "$name: build failed"; tail -20 "$OUT/ab-$name.build.log"; continue
   fi
-  echo "$name: built in $(( $(date +%s) - t0 ))s"
   names+=("$name")
 done
+rm -f "$OUT"/ab-*.build.rc
+echo "built ${names[*]} in $(( $(date +%s) - t0 ))s"
 [ ${#names[@]} -gt 0 ] || { echo "$0: no variant built (tools/ab_bench.sh prepare NAME REV first)" >&2; exit 1; }
 for round in $(seq "${AB_ROUNDS:-2}"); do
   n=${#names[@]}
