@@ -144,7 +144,7 @@ __device__ __forceinline__ void stage_bf16(bf16 *dst, const bf16 *src, int rows,
 // ---- shared memory a CTA keeps across its tasks of a step -----------------------------------
 // A task's scratch is [0, kTaskSmemBytes); past it, what later tasks of the same layer reuse:
 // the normed input a GEMV staged at offset 0 and the routing of a sparse layer (op_router).
-constexpr int kTaskSmemBytes = 128 * 1024;
+constexpr int kTaskSmemBytes = 123 * 1024;
 constexpr int kMaxGemvItems = 32;  // (16-row tile, k part) work items of one GEMV, for `red`
 
 struct Kept {
