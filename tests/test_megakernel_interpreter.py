@@ -135,12 +135,12 @@ def test_norm_and_router_tasks_are_the_planned_tiles(small):
     config, _ = small
     s = Schedule(config, 7, CONTEXTS)
     p = s.plan
-    assert p["norm_tiles"] == 256 // 128 and p["router_rows"] == 16 and p["router_tiles"] == 3  # 16 + 16 + 8
+    assert p["norm_tiles"] == 256 // 32 and p["router_rows"] == 16 and p["router_tiles"] == 3  # 16 + 16 + 8
     for layer in range(config.num_layers):
         of_layer = s.tasks[s.tasks["layer"] == layer]
-        assert sorted(of_layer["x"][of_layer["op"] == Opcode.NORM]) == [0, 1]
+        assert sorted(of_layer["x"][of_layer["op"] == Opcode.NORM]) == list(range(p["norm_tiles"]))
         assert sorted(of_layer["x"][of_layer["op"] == Opcode.ROUTER]) == ([] if layer == 0 else [0, 1, 2])
-    assert sorted(s.tasks["x"][s.tasks["op"] == Opcode.FINAL_NORM]) == [0, 1]
+    assert sorted(s.tasks["x"][s.tasks["op"] == Opcode.FINAL_NORM]) == list(range(p["norm_tiles"]))
 
 
 def test_a_combine_task_is_rejected(small):

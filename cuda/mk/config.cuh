@@ -17,7 +17,7 @@ constexpr int kMaxGroup = 8;         // query heads per kv head
 constexpr int kMaxTopK = 8;
 constexpr int kPage = 64;           // tokens per KV page (config.PAGE_SIZE)
 constexpr int kMaxK = 4096;         // widest GEMV input (q width, intermediate sizes)
-constexpr int kMaxNormTiles = 64;   // hidden / norm_cols
+constexpr int kMaxNormTiles = 128;  // hidden / norm_cols
 constexpr int kSmemBytes = 130 * 1024;
 static_assert(kHeadDim == 128 && kThreads == 256, "the attention and GEMV tiles assume these");
 static_assert(NMK_MK_MAX_BATCH == 8, "GEMV inputs are the n = 8 columns of m16n8k16 tensor-core tiles");

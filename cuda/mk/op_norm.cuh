@@ -14,13 +14,13 @@ __device__ __forceinline__ float *debug_at(const Params &p, int layer, int stage
     return p.debug + (((size_t)layer * NMK_MK_DEBUG_STAGES + stage) * NMK_MK_MAX_BATCH + b) * p.hidden;
 }
 
-// Thread t takes column t % 128 of the tile in rows t / 128, + 2, ...: the loads of two such
-// rows are in flight at once (loads first, then the sums), then each 32-column slice's sum
-// of squares goes through shared memory in a fixed order.
+// Thread t takes column t % 32 of the tile in row t / 32 (the 8 rows' loads in flight at once:
+// loads first, then the sums); each row's sum of squares is one warp's.
 template <int B>
 __device__ void run_norm(const Params &p, int layer, bool final, int tile, char *smem) {
-    constexpr int kCols = 128, kRowsPerPass = kThreads / kCols, kPasses = (B + kRowsPerPass - 1) / kRowsPerPass;
-    static_assert(kThreads % kCols == 0, "NORM tiles are 128 columns (the checker's norm_cols)");
+    constexpr int kCols = 32, kRowsPerPass = kThreads / kCols, kPasses = (B + kRowsPerPass - 1) / kRowsPerPass;
+    static_assert(kThreads % kCols == 0 && kCols % 32 == 0, "NORM tiles are 32 columns (the checker's norm_cols)");
+    static_assert(kMaxK / kCols <= kMaxNormTiles, "the widest hidden size's tiles fit in ss");
     const int prev = final ? p.num_layers - 1 : layer - 1, at = prev + 1;
     const int col = threadIdx.x % kCols, c = tile * kCols + col, r0 = threadIdx.x / kCols;
     const bool dense = prev >= 0 && p.layers[prev].dense;

@@ -452,7 +452,7 @@ void check_plan(const Geometry &g, const nmk_plan &p) {
     need(p.expert_slots == std::min(p.batch * g.top_k, g.num_experts),
          "expert_slots must be min(batch * top_k, experts)");
     need(p.norm_cols == kNormCols && p.norm_tiles == g.hidden / kNormCols,
-         "norm_cols must be 128 and norm_tiles hidden / 128");
+         "norm_cols must be 32 and norm_tiles hidden / 32");
     need(p.router_rows == kRouterRows && p.router_tiles == (g.num_experts + kRouterRows - 1) / kRouterRows,
          "router_rows must be 16 and router_tiles ceil(experts / 16)");
     const std::tuple<const char *, int, int> tiles[] = {

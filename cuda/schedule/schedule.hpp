@@ -24,7 +24,7 @@ namespace nmk::schedule {
 // Tiles of the kernel (v0.3): row and column tiles are multiples of kTile (tensor-core
 // tiles) up to the sizes it reserves shared memory for; GEMV inputs are staged whole.
 constexpr int kTile = 16;
-constexpr int kNormCols = 128;
+constexpr int kNormCols = 32;
 constexpr int kRouterRows = 16;
 constexpr int kMaxQkvRows = 128, kMaxOprojRows = 128, kMaxCols = 128, kMaxDenseDownRows = 128;
 constexpr int kMaxMoeDownRows = 256, kMaxLmRows = 512;

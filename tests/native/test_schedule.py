@@ -107,7 +107,7 @@ def test_every_stage_has_the_tiles_the_geometry_needs():
     s = Schedule(c, 132, [100, 5000])
     n = counts(s)
     p = s.plan
-    assert p["norm_cols"] == 128 and p["norm_tiles"] == 2048 // 128
+    assert p["norm_cols"] == 32 and p["norm_tiles"] == 2048 // 32
     assert p["router_rows"] == 16 and p["router_tiles"] == 128 // 16
     assert n[Opcode.NORM] == 49 * p["norm_tiles"] and n[Opcode.FINAL_NORM] == p["norm_tiles"]
     assert n[Opcode.ROUTER] == 48 * p["router_tiles"]  # layer 0 is dense
@@ -345,7 +345,7 @@ def test_checker_rejects_a_wait_on_part_of_the_norm_tiles():
     ("oproj_rows", 144, "oproj_rows must be a positive multiple of 16 up to 128"),
     ("moe_down_rows", 272, "moe_down_rows must be a positive multiple of 16 up to 256"),
     ("lm_rows", 0, "lm_rows must be"),
-    ("norm_cols", 256, "norm_cols must be 128"),
+    ("norm_cols", 256, "norm_cols must be 32"),
     ("norm_tiles", 1, "norm_tiles"),
     ("router_rows", 32, "router_rows must be 16"),
     ("router_tiles", 7, "router_tiles"),
