@@ -435,7 +435,7 @@ typedef struct nmk_task {
 typedef struct nmk_plan {
     int32_t batch;
     int32_t expert_slots;     /* min(batch * top_k, experts): one per distinct routed expert */
-    int32_t norm_cols;        /* hidden columns per NORM / FINAL_NORM task: 128 */
+    int32_t norm_cols;        /* hidden columns per NORM / FINAL_NORM task: 32 */
     int32_t norm_tiles;       /* hidden / norm_cols: the partial sums of squares per row */
     int32_t qkv_rows;         /* <= 128 */
     int32_t router_rows;      /* experts per ROUTER task: 16 */
