@@ -59,21 +59,23 @@ __device__ __forceinline__ uint64_t global_ns() {
     return t;
 }
 
-// Task i of the step's array: wait for its input, run, call done() (thread 0 of the drain
-// claims its next task there), signal; with timing on, record when it began waiting, ran and
-// ended, and which SM ran it. Nothing is prefetched: L2 prefetches of the static weights
-// before the wait cost 1-2.5% of the step (benchmarks/NOTES.md).
-template <int B, class Done>
-__device__ void run_one(const Params &p, uint32_t i, char *smem, Done done) {
-    const nmk_task t = p.tasks[i];
+// Task i of the step's array (t, its descriptor): wait for its input, run, call claim()
+// (the drain claims its next task there), signal, call fetch() (the drain loads the claimed
+// task's descriptor there, beside the signal's fence); with timing on, record when it began
+// waiting, ran and ended, and which SM ran it. Nothing is prefetched: L2 prefetches of the
+// static weights before the wait cost 1-2.5% of the step, register preloads of a task's first
+// burst 1-3% (benchmarks/NOTES.md).
+template <int B, class Claim, class Fetch>
+__device__ void run_one(const Params &p, uint32_t i, const nmk_task &t, char *smem, Claim claim, Fetch fetch) {
     const bool timed = p.timing && i < p.timing_capacity;
     uint64_t waited = timed ? global_ns() : 0;
     if (t.wait >= 0) wait_for(p.counters + t.wait, t.target);
     uint64_t started = timed ? global_ns() : 0;
     run_task<B>(p, t, smem);
-    done();
+    claim();
     if (t.signal >= 0) signal(p.counters + t.signal);
     else __syncthreads();
+    fetch();
     if (timed && threadIdx.x == 0) {
         uint64_t *r = p.timing + 4 * (size_t)i;
         r[0] = waited, r[1] = started, r[2] = global_ns();
@@ -81,28 +83,37 @@ __device__ void run_one(const Params &p, uint32_t i, char *smem, Done done) {
     }
 }
 
-// DRAIN(q): claim queue q's tasks in order with an atomic head until it runs dry. Thread 0
-// claims the next task once the current one's work is done, before its signal: the claim's
-// round trip overlaps the signal's fence, and a CTA never holds a task while it works on
-// another (a held task would wait for this CTA however many SMs are idle). Holding a later
-// task of the queue never blocks an earlier one: queue tasks wait only on earlier work.
+// DRAIN(q): claim queue q's tasks in order with an atomic head until it runs dry. Thread
+// kClaimer claims the next task once the current one's work is done, before its signal, and
+// loads the claimed task's descriptor after the signal's barrier: both round trips overlap
+// thread 0's fence and release instead of following them. A CTA never holds a task while it
+// works on another (a held task would wait for this CTA however many SMs are idle). Holding a
+// later task of the queue never blocks an earlier one: queue tasks wait only on earlier work.
+constexpr int kClaimer = 32;  // lane 0 of warp 1: not thread 0, which signals
 template <int B>
 __device__ void drain(const Params &p, int q, char *smem) {
     const uint32_t first = p.queue_offsets[q], count = p.queue_offsets[q + 1] - first;
     uint32_t *head = p.counters + p.plan.num_counters + 1 + q;
     __shared__ uint32_t claimed;
+    __shared__ nmk_task claimed_task;
     uint32_t next = 0;
-    if (threadIdx.x == 0) next = atomicAdd(head, 1u);
+    nmk_task desc{};
     auto claim = [&] {
-        if (threadIdx.x == 0) next = atomicAdd(head, 1u);
+        if (threadIdx.x == kClaimer) next = atomicAdd(head, 1u);
     };
+    auto fetch = [&] {
+        if (threadIdx.x == kClaimer && next < count) desc = p.tasks[first + next];
+    };
+    claim();
+    fetch();
     for (;;) {
-        if (threadIdx.x == 0) claimed = next;
+        if (threadIdx.x == kClaimer) claimed = next, claimed_task = desc;
         __syncthreads();
         const uint32_t j = claimed;
-        __syncthreads();  // everyone has read `claimed` before thread 0 rewrites it
+        const nmk_task t = claimed_task;
+        __syncthreads();  // everyone has read them before the claimer rewrites them
         if (j >= count) return;
-        run_one<B>(p, first + j, smem, claim);
+        run_one<B>(p, first + j, t, smem, claim, fetch);
     }
 }
 
@@ -112,7 +123,7 @@ __device__ void run_list(const Params &p, char *smem) {
     for (uint32_t i = begin; i < end; i++) {
         const nmk_task t = p.tasks[i];
         if (t.op == NMK_OP_DRAIN) drain<B>(p, t.x, smem);
-        else run_one<B>(p, i, smem, [] {});
+        else run_one<B>(p, i, t, smem, [] {}, [] {});
     }
 }
 
