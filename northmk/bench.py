@@ -4,6 +4,7 @@
         [--no-peer | --peer-only] [--record [NOTES.md]] [--plot PNG] [--out benchmarks]
     python -m northmk.bench record RESULT.json [--notes benchmarks/NOTES.md]
     python -m northmk.bench plot RESULT.json [MORE.json ...] [--out PNG]
+    python -m northmk.bench critical TASK_TIMES.npy [--batch B --context C] [--sms 132] [--layer L]
 
 `decode` times the megakernel's decode step at full North Mini Code geometry (random weights,
 KV noise at --context) and then, on the same weights, Hugging Face transformers'
@@ -14,6 +15,8 @@ It writes benchmarks/decode-<date>-<commit>.json; --record appends the run's lin
 results log, --plot draws tok/s against batch (northmk.bench_plot). `record` and `plot` do
 the same later from result files (device runs come back as files, without git); `plot`
 joins the rows of several files (e.g. a --no-peer and a --peer-only run of one session).
+`critical` walks a profiled step's task times (the task-times-b{B}-c{C}.npy a decode run
+writes) back along the chain of tasks that set its length (northmk.bench_critical).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import datetime
 import importlib.util
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -377,6 +381,26 @@ def load_result(path: Path) -> dict:
     return result
 
 
+def critical(args) -> str:
+    """The report of `critical`: the step's schedule rebuilt as the kernel built it, then the
+    chain (northmk.bench_critical)."""
+    from .bench_critical import context_bucket, critical_path_of_run, report
+    from .megakernel import Schedule
+
+    batch, context = args.batch, args.context
+    named = re.fullmatch(r"task-times-b(\d+)-c(\d+)\.npy", Path(args.times).name)
+    if named:
+        batch = batch or int(named[1])
+        context = context or int(named[2])
+    if not batch or not context:
+        raise ValueError("give --batch and --context (the file's name does not say them)")
+    if not 1 <= batch <= MAX_BATCH or context < 1 or args.sms < 1:
+        raise ValueError(f"need 1 <= --batch <= {MAX_BATCH}, --context >= 1, --sms >= 1")
+    schedule = Schedule(geometry(args.geometry), args.sms, [context_bucket(context)] * batch)
+    chain = critical_path_of_run(np.load(args.times), schedule)
+    return f"{args.times}: batch {batch}, context {context}, {args.sms} SMs\n" + report(chain, args.layer)
+
+
 # ---- command line -----------------------------------------------------------------------
 
 class OneLineParser(argparse.ArgumentParser):
@@ -408,6 +432,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = sub.add_parser("plot", help="plot result files (their rows on one plot)")
     p.add_argument("result", nargs="+")
     p.add_argument("--out", help="PNG path (default: the first result's path with .png)")
+    c = sub.add_parser("critical", help="the chain of tasks that set a profiled step's length")
+    c.add_argument("times", help="task-times-b{B}-c{C}.npy from a decode run")
+    c.add_argument("--batch", type=int, help="rows of the step (default: from the file name)")
+    c.add_argument("--context", type=int, help="tokens of KV per row (default: from the file name)")
+    c.add_argument("--sms", type=int, default=132, help="SMs of the device that ran it")
+    c.add_argument("--geometry", choices=sorted(PRESETS), default="north")
+    c.add_argument("--layer", type=int, help="the layer whose links to list (default: the chain's middle one)")
     args = parser.parse_args(argv)
     problem = check_decode(args) if args.what == "decode" else None
     if problem:
@@ -448,7 +479,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.what == "decode":
         return 1 if decode(args).get("error") else 0
     try:
-        if args.what == "record":
+        if args.what == "critical":
+            print(critical(args))
+        elif args.what == "record":
             record(load_result(Path(args.result)), Path(args.result), Path(args.notes))
         else:
             results = [load_result(Path(r)) for r in args.result]

@@ -1,0 +1,149 @@
+"""The critical path of one profiled decode step: `python -m northmk.bench critical`.
+
+The decode bench saves, per batch, the task times of one step (task-times-b{B}-c{C}.npy: for
+each task of the step's schedule, less its DRAIN entries, the ns when its SM began waiting
+for it, when it ran and when it ended, and op | layer << 8 | sm << 16). With the schedule that
+step ran (rebuilt here from the geometry, the SM count and the rows' lengths), each task has
+two constraints on when it ran: when its counter reached its target (the target-th end among
+the counter's signallers) and when its SM ended the task before it. Walking back from the
+step's last task through whichever of the two came later gives the chain that set the step's
+length, as links of three kinds:
+
+    run    a task running (its start to its end stamp, which follows its signal)
+    hop    its counter complete -> the waiting task running (the poll, the barrier after it)
+    turn   its SM's previous task ended -> this one running (claim, descriptor, barriers)
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+
+from .megakernel import Opcode
+
+HOP, TURN, START = "hop", "turn", "start"
+
+
+@dataclass
+class Link:
+    task: int  # row of the times (the schedule's task array less its DRAIN entries)
+    op: str
+    layer: int
+    run_ns: int  # its start to its end
+    how: str  # what it waited for last: HOP (its counter), TURN (its SM), START (nothing)
+    gap_ns: int  # from that constraint's time to its start
+    after: int | None  # the task it waited for (the counter's completing signaller, or the SM's previous)
+
+
+def critical_path(times: np.ndarray, wait: np.ndarray, target: np.ndarray, signal: np.ndarray) -> list[Link]:
+    """The chain that ended last, first link first. times [N, 4] as the bench saves them; wait,
+    target, signal [N] the tasks' counter fields (wait -1: none; signal -1: none)."""
+    times = np.asarray(times, dtype=np.int64)
+    n = len(times)
+    if not (len(wait) == len(target) == len(signal) == n) or times.ndim != 2 or times.shape[1] != 4:
+        raise ValueError(f"times must be [N, 4] with N counter fields each; got {times.shape}, {len(wait)}")
+    if n == 0:
+        return []
+    began, start, end = times[:, 0], times[:, 1], times[:, 2]
+    op, layer, sm = times[:, 3] & 0xFF, (times[:, 3] >> 8) & 0xFF, (times[:, 3] >> 16) & 0xFFFF
+    signallers: dict[int, list[int]] = defaultdict(list)
+    for i in np.flatnonzero(signal >= 0):
+        signallers[int(signal[i])].append(int(i))
+    by_end = {c: sorted(ts, key=lambda i: end[i]) for c, ts in signallers.items()}
+    previous: dict[int, int | None] = {}
+    for s in np.unique(sm):
+        mine = np.flatnonzero(sm == s)
+        order = mine[np.argsort(began[mine], kind="stable")]
+        for k, i in enumerate(order):
+            previous[int(i)] = int(order[k - 1]) if k else None
+
+    def completer(i: int) -> int | None:
+        """The signaller whose end brought task i's counter to its target."""
+        if wait[i] < 0 or target[i] == 0:
+            return None
+        ts = by_end.get(int(wait[i]), [])
+        if len(ts) < target[i]:
+            raise ValueError(f"task {i} waits for {target[i]} signals of counter {wait[i]}, the step has {len(ts)}")
+        return ts[int(target[i]) - 1]
+
+    chain = []
+    i: int | None = int(np.argmax(end))
+    while i is not None:
+        dep, prev = completer(i), previous[i]
+        if dep is not None and (prev is None or end[dep] >= end[prev]):
+            how, after, since = HOP, dep, end[dep]
+        elif prev is not None:
+            how, after, since = TURN, prev, end[prev]
+        else:
+            how, after, since = START, None, start[i]
+        chain.append(Link(i, Opcode(int(op[i])).name, int(layer[i]), int(end[i] - start[i]), how,
+                          int(start[i] - since), after))
+        i = after
+    return chain[::-1]
+
+
+def summarize(chain: list[Link]) -> dict:
+    """Totals of a chain (us): its length, run time per opcode, and per kind of gap the count,
+    total and mean."""
+    if not chain:
+        return {"length_us": 0.0, "runs_us": {}, "gaps": {}}
+    runs: dict[str, float] = defaultdict(float)
+    gaps: dict[str, list[float]] = defaultdict(list)
+    for link in chain:
+        runs[link.op] += link.run_ns / 1e3
+        if link.how != START:
+            gaps[link.how].append(link.gap_ns / 1e3)
+    length = sum(runs.values()) + sum(sum(g) for g in gaps.values())
+    return {"length_us": length,
+            "runs_us": dict(sorted(runs.items(), key=lambda kv: -kv[1])),
+            "gaps": {how: {"count": len(g), "total_us": sum(g), "mean_us": sum(g) / len(g)} for how, g in gaps.items()}}
+
+
+def report(chain: list[Link], layer: int | None = None) -> str:
+    """The summary as text, then the links of one layer (by default the middle one of the chain)."""
+    s = summarize(chain)
+    out = [f"critical path: {s['length_us']:.1f} us, {len(chain)} tasks"]
+    runs = sum(s["runs_us"].values())
+    out.append(f"  runs {runs:.1f} us ({runs / max(s['length_us'], 1e-9):.0%}): " +
+               ", ".join(f"{op} {us:.1f}" for op, us in s["runs_us"].items()))
+    for how, g in s["gaps"].items():
+        out.append(f"  {how}s {g['total_us']:.1f} us ({g['total_us'] / max(s['length_us'], 1e-9):.0%}) in "
+                   f"{g['count']}, mean {g['mean_us']:.2f} us")
+    layers = sorted({link.layer for link in chain if link.op not in ("FINAL_NORM", "LM_HEAD", "ARGMAX")})
+    if layers:
+        pick = layers[len(layers) // 2] if layer is None else layer
+        out.append(f"  layer {pick}'s links (op, what it waited for, gap us, run us):")
+        out += [f"    {link.op:>10} {link.how:>5} {link.gap_ns / 1e3:7.2f} {link.run_ns / 1e3:8.2f}"
+                for link in chain if link.layer == pick and link.op not in ("FINAL_NORM", "LM_HEAD", "ARGMAX")]
+    return "\n".join(out)
+
+
+def context_bucket(length: int) -> int:
+    """The key length the kernel builds a step's schedule for (cuda/mk/megakernel.cu's
+    context_bucket): the longest row's length rounded up to a power of two, at least 64."""
+    bucket = 64
+    while bucket < length:
+        bucket *= 2
+    return bucket
+
+
+def schedule_fields(schedule) -> tuple[np.ndarray, ...]:
+    """op, layer, wait, target, signal of a Schedule's tasks less the DRAIN entries: the rows
+    of the bench's task times."""
+    tasks = schedule.tasks[schedule.tasks["op"] != Opcode.DRAIN]
+    return (tasks["op"].astype(np.int64), tasks["layer"].astype(np.int64), tasks["wait"].astype(np.int64),
+            tasks["target"].astype(np.int64), tasks["signal"].astype(np.int64))
+
+
+def critical_path_of_run(times: np.ndarray, schedule) -> list[Link]:
+    """critical_path of a step's task times and the Schedule it ran; ValueError when they do not
+    belong together (another batch, context or SM count)."""
+    op, layer, wait, target, signal = schedule_fields(schedule)
+    times = np.asarray(times, dtype=np.int64)
+    if times.ndim != 2 or len(times) != len(op):
+        raise ValueError(f"the times have {len(times)} tasks, the schedule {len(op)}: another batch, context or SM count?")
+    if not ((times[:, 3] & 0xFF) == op).all() or not (((times[:, 3] >> 8) & 0xFF) == layer).all():
+        raise ValueError("the times' opcodes and layers differ from the schedule's: another batch, context or SM count?")
+    return critical_path(times, wait, target, signal)

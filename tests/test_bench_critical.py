@@ -1,0 +1,127 @@
+"""The critical path of a profiled step (northmk.bench_critical, `python -m northmk.bench
+critical`): which constraint held each task last, on hand-built timings and on a schedule timed
+as the kernel would run it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from northmk import bench
+from northmk.bench_critical import (HOP, START, TURN, context_bucket, critical_path, critical_path_of_run,
+                                    report, summarize)
+from northmk.megakernel import Opcode, Schedule
+from northmk.megakernel_interpreter import execution_order
+
+
+def record(op: Opcode, sm: int, began: int, start: int, end: int, layer: int = 0) -> list[int]:
+    return [began, start, end, int(op) | layer << 8 | sm << 16]
+
+
+def test_the_chain_follows_the_later_of_counter_and_sm():
+    # SM 0: NORM (signals c0), OPROJ, DOWN (waits c1); SM 1: QKV (waits c0, signals c1), ROUTER.
+    times = np.array([
+        record(Opcode.NORM, 0, 0, 0, 10_000),
+        record(Opcode.QKV, 1, 0, 12_000, 30_000),
+        record(Opcode.OPROJ, 0, 10_500, 11_000, 20_000),
+        record(Opcode.DOWN, 0, 20_500, 31_000, 40_000),
+        record(Opcode.ROUTER, 1, 30_500, 31_500, 50_000),
+    ])
+    wait = np.array([-1, 0, -1, 1, -1])
+    target = np.array([0, 1, 0, 1, 0])
+    signal = np.array([0, 1, -1, -1, -1])
+    chain = critical_path(times, wait, target, signal)
+    # ROUTER ended last; its SM's previous task was QKV (a turn), QKV waited for NORM (a hop).
+    assert [(link.op, link.how, link.gap_ns) for link in chain] == [
+        ("NORM", START, 0), ("QKV", HOP, 2_000), ("ROUTER", TURN, 1_500)]
+    assert [link.after for link in chain] == [None, 0, 1]
+    s = summarize(chain)
+    assert s["length_us"] == pytest.approx(50.0)  # the chain covers the step: runs plus gaps
+    assert s["runs_us"] == pytest.approx({"QKV": 18.0, "ROUTER": 18.5, "NORM": 10.0})
+    assert s["gaps"][HOP] == pytest.approx({"count": 1, "total_us": 2.0, "mean_us": 2.0})
+    assert "critical path: 50.0 us, 3 tasks" in report(chain)
+
+
+def test_a_counter_is_complete_at_its_target_th_signal():
+    # Three signallers of c0 end at 5, 9 and 30 us; the waiter needs two of them.
+    times = np.array([
+        record(Opcode.NORM, 0, 0, 0, 5_000),
+        record(Opcode.NORM, 1, 0, 0, 9_000),
+        record(Opcode.NORM, 2, 0, 0, 30_000),
+        record(Opcode.QKV, 3, 0, 10_000, 60_000),
+    ])
+    chain = critical_path(times, np.array([-1, -1, -1, 0]), np.array([0, 0, 0, 2]), np.array([0, 0, 0, -1]))
+    assert [(link.task, link.how) for link in chain] == [(1, START), (3, HOP)]
+    assert chain[1].gap_ns == 1_000
+
+
+def test_bad_timings_are_refused():
+    times = np.array([record(Opcode.QKV, 0, 0, 0, 10)])
+    with pytest.raises(ValueError, match="waits for 2 signals of counter 0, the step has 0"):
+        critical_path(times, np.array([0]), np.array([2]), np.array([-1]))
+    with pytest.raises(ValueError, match=r"\[N, 4\]"):
+        critical_path(times[:, :3], np.array([-1]), np.array([0]), np.array([-1]))
+    assert critical_path(np.zeros((0, 4)), np.array([]), np.array([]), np.array([])) == []
+
+
+def timed_step(schedule: Schedule, run_ns: int = 1000) -> np.ndarray:
+    """The step's task times as the kernel records them (DRAIN entries left out), every task
+    run_ns long, starting when its SM is free and its counter reached its target, the SMs
+    taking their tasks in the interpreter's execution order."""
+    tasks = schedule.tasks
+    rows = np.zeros((len(tasks), 4), dtype=np.int64)
+    clock, ends = [0] * schedule.num_sms, {}
+    for sm, i in execution_order(schedule):
+        wait, target, signal = int(tasks["wait"][i]), int(tasks["target"][i]), int(tasks["signal"][i])
+        ready = sorted(ends.get(wait, []))[target - 1] if wait >= 0 and target else 0
+        start = max(clock[sm], ready)
+        rows[i] = [clock[sm], start, start + run_ns, int(tasks["op"][i]) | int(tasks["layer"][i]) << 8 | sm << 16]
+        clock[sm] = start + run_ns
+        if signal >= 0:
+            ends.setdefault(signal, []).append(start + run_ns)
+    return rows[tasks["op"] != Opcode.DRAIN]
+
+
+def test_a_scheduled_step_chains_from_its_first_task_to_its_last():
+    schedule = Schedule(bench.geometry("mk-small"), 4, [128, 128])
+    times = timed_step(schedule)
+    chain = critical_path_of_run(times, schedule)
+    assert chain[0].how == START and chain[-1].task == int(np.argmax(times[:, 2]))
+    assert chain[-1].op == "ARGMAX"
+    # Back-to-back 1 us tasks: the chain is the whole step, every link a task of 1 us.
+    assert summarize(chain)["length_us"] == pytest.approx(times[:, 2].max() / 1e3)
+    assert all(link.run_ns == 1000 for link in chain)
+    for before, link in zip(chain, chain[1:]):
+        assert link.after == before.task
+        assert times[link.task, 1] >= times[before.task, 2]
+
+
+def test_times_of_another_schedule_are_refused():
+    schedule = Schedule(bench.geometry("mk-small"), 4, [128, 128])
+    times = timed_step(schedule)
+    with pytest.raises(ValueError, match="another batch, context or SM count"):
+        critical_path_of_run(times, Schedule(bench.geometry("mk-small"), 4, [128]))
+    shuffled = times.copy()
+    shuffled[[0, -1], 3] = shuffled[[-1, 0], 3]
+    with pytest.raises(ValueError, match="opcodes and layers differ"):
+        critical_path_of_run(shuffled, schedule)
+
+
+def test_context_bucket_is_the_kernels():
+    assert [context_bucket(n) for n in (1, 64, 65, 100, 8192, 8193)] == [64, 64, 128, 128, 8192, 16384]
+
+
+def test_critical_command_reads_the_batch_and_context_from_the_file_name(tmp_path, capsys):
+    schedule = Schedule(bench.geometry("mk-small"), 4, [context_bucket(100)] * 2)
+    path = tmp_path / "task-times-b2-c100.npy"
+    np.save(path, timed_step(schedule))
+    assert bench.main(["critical", str(path), "--sms", "4", "--geometry", "mk-small", "--layer", "1"]) == 0
+    out = capsys.readouterr().out
+    assert f"{path}: batch 2, context 100, 4 SMs" in out and "critical path:" in out and "layer 1's links" in out
+    assert bench.main(["critical", str(path), "--sms", "4", "--geometry", "mk-small", "--batch", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "another batch, context or SM count" in err[0]
+    other = tmp_path / "times.npy"
+    np.save(other, timed_step(schedule))
+    assert bench.main(["critical", str(other), "--sms", "4", "--geometry", "mk-small"]) == 2
+    assert "give --batch and --context" in capsys.readouterr().err
