@@ -5,6 +5,7 @@
     python -m northmk.bench record RESULT.json [--notes benchmarks/NOTES.md]
     python -m northmk.bench plot RESULT.json [MORE.json ...] [--out PNG]
     python -m northmk.bench critical TASK_TIMES.npy [--batch B --context C] [--sms 132] [--layer L]
+    python -m northmk.bench simulate TASK_TIMES.npy [--batch B --context C] [--sms 132] [--hop-us H --turn-us T]
 
 `decode` times the megakernel's decode step at full North Mini Code geometry (random weights,
 KV noise at --context) and then, on the same weights, Hugging Face transformers'
@@ -16,7 +17,10 @@ results log, --plot draws tok/s against batch (northmk.bench_plot). `record` and
 the same later from result files (device runs come back as files, without git); `plot`
 joins the rows of several files (e.g. a --no-peer and a --peer-only run of one session).
 `critical` walks a profiled step's task times (the task-times-b{B}-c{C}.npy a decode run
-writes) back along the chain of tasks that set its length (northmk.bench_critical).
+writes) back along the chain of tasks that set its length (northmk.bench_critical);
+`simulate` replays that step's schedule in time from its tasks' measured run times
+(northmk.bench_simulate) and says how long it comes out, with and without the gaps between
+tasks.
 """
 
 from __future__ import annotations
@@ -381,10 +385,10 @@ def load_result(path: Path) -> dict:
     return result
 
 
-def critical(args) -> str:
-    """The report of `critical`: the step's schedule rebuilt as the kernel built it, then the
-    chain (northmk.bench_critical)."""
-    from .bench_critical import context_bucket, critical_path_of_run, report
+def profiled_step(args) -> tuple[np.ndarray, object, str]:
+    """The task times named on the command line, the schedule the kernel built for that step
+    (batch and context from the options or the file's name) and a line that says which."""
+    from .bench_critical import context_bucket
     from .megakernel import Schedule
 
     batch, context = args.batch, args.context
@@ -397,8 +401,33 @@ def critical(args) -> str:
     if not 1 <= batch <= MAX_BATCH or context < 1 or args.sms < 1:
         raise ValueError(f"need 1 <= --batch <= {MAX_BATCH}, --context >= 1, --sms >= 1")
     schedule = Schedule(geometry(args.geometry), args.sms, [context_bucket(context)] * batch)
-    chain = critical_path_of_run(np.load(args.times), schedule)
-    return f"{args.times}: batch {batch}, context {context}, {args.sms} SMs\n" + report(chain, args.layer)
+    return np.load(args.times), schedule, f"{args.times}: batch {batch}, context {context}, {args.sms} SMs"
+
+
+def critical(args) -> str:
+    """The report of `critical`: the chain of the step (northmk.bench_critical)."""
+    from .bench_critical import critical_path_of_run, report
+
+    times, schedule, which = profiled_step(args)
+    return which + "\n" + report(critical_path_of_run(times, schedule), args.layer)
+
+
+def simulate(args) -> str:
+    """The report of `simulate`: the step as measured, replayed with its gaps, and without."""
+    from .bench_critical import critical_path_of_run
+    from .bench_simulate import replay_runs, simulate as replay
+
+    times, schedule, which = profiled_step(args)
+    if args.hop_us < 0 or args.turn_us < 0:
+        raise ValueError("--hop-us and --turn-us must be >= 0")
+    critical_path_of_run(times, schedule)  # the same checks: these times belong to this schedule
+    runs, _ = replay_runs(schedule, schedule, times)
+    span = lambda t: (t[:, 2].max() - t[:, 1].min()) / 1e3  # noqa: E731
+    gaps = replay(schedule, runs, round(args.hop_us * 1e3), round(args.turn_us * 1e3))
+    none = replay(schedule, runs, 0, 0)
+    return (f"{which}\n  measured {span(times):.1f} us; replayed from the measured run times "
+            f"{span(gaps):.1f} us with {args.hop_us:g} us hops and {args.turn_us:g} us turns, "
+            f"{span(none):.1f} us without gaps")
 
 
 # ---- command line -----------------------------------------------------------------------
@@ -439,6 +468,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     c.add_argument("--sms", type=int, default=132, help="SMs of the device that ran it")
     c.add_argument("--geometry", choices=sorted(PRESETS), default="north")
     c.add_argument("--layer", type=int, help="the layer whose links to list (default: the chain's middle one)")
+    m = sub.add_parser("simulate", help="replay a profiled step's schedule from its tasks' run times")
+    m.add_argument("times", help="task-times-b{B}-c{C}.npy from a decode run")
+    m.add_argument("--batch", type=int, help="rows of the step (default: from the file name)")
+    m.add_argument("--context", type=int, help="tokens of KV per row (default: from the file name)")
+    m.add_argument("--sms", type=int, default=132, help="SMs of the device that ran it")
+    m.add_argument("--geometry", choices=sorted(PRESETS), default="north")
+    m.add_argument("--hop-us", type=float, default=0.5, help="a counter complete -> its waiter running")
+    m.add_argument("--turn-us", type=float, default=0.7, help="an SM's task ended -> its next running")
     args = parser.parse_args(argv)
     problem = check_decode(args) if args.what == "decode" else None
     if problem:
@@ -481,6 +518,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.what == "critical":
             print(critical(args))
+        elif args.what == "simulate":
+            print(simulate(args))
         elif args.what == "record":
             record(load_result(Path(args.result)), Path(args.result), Path(args.notes))
         else:

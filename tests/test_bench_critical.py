@@ -1,6 +1,7 @@
 """The critical path of a profiled step (northmk.bench_critical, `python -m northmk.bench
 critical`): which constraint held each task last, on hand-built timings and on a schedule timed
-as the kernel would run it."""
+as the kernel would run it; and the timed replay of a schedule (northmk.bench_simulate,
+`python -m northmk.bench simulate`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 from northmk import bench
 from northmk.bench_critical import (HOP, START, TURN, context_bucket, critical_path, critical_path_of_run,
                                     report, summarize)
+from northmk.bench_simulate import replay_runs, simulate
 from northmk.megakernel import Opcode, Schedule
 from northmk.megakernel_interpreter import execution_order
 
@@ -125,3 +127,71 @@ def test_critical_command_reads_the_batch_and_context_from_the_file_name(tmp_pat
     np.save(other, timed_step(schedule))
     assert bench.main(["critical", str(other), "--sms", "4", "--geometry", "mk-small"]) == 2
     assert "give --batch and --context" in capsys.readouterr().err
+
+
+# ---- the timed replay ----------------------------------------------------------------------
+
+def test_a_replayed_step_keeps_every_constraint_of_the_kernel():
+    schedule = Schedule(bench.geometry("mk-small"), 4, [128, 128])
+    tasks = schedule.tasks
+    runs = np.where(tasks["op"] == Opcode.GATE_UP, 3000, 1000)
+    hop, turn = 200, 300
+    times = simulate(schedule, runs, hop, turn)
+    work = tasks[tasks["op"] != Opcode.DRAIN]
+    assert len(times) == len(work)
+    assert ((times[:, 2] - times[:, 1]) == runs[tasks["op"] != Opcode.DRAIN]).all()
+    sm = times[:, 3] >> 16
+    for s in range(schedule.num_sms):  # an SM runs one task at a time, a turn apart
+        mine = times[sm == s]
+        mine = mine[np.argsort(mine[:, 1])]
+        assert (mine[1:, 1] >= mine[:-1, 2] + turn).all()
+    for i in range(len(work)):  # a task runs a hop after its counter's target-th signal
+        if work["wait"][i] >= 0 and work["target"][i] > 0:
+            ends = np.sort(times[work["signal"] == work["wait"][i], 2])
+            assert times[i, 1] >= ends[work["target"][i] - 1] + hop
+    # the queues' tasks are claimed in queue order
+    offsets = schedule.queue_offsets
+    drains = np.cumsum(tasks["op"] == Opcode.DRAIN)  # DRAIN entries before each task (all in the lists)
+    for q in range(len(offsets) - 1):
+        rows = np.arange(offsets[q], offsets[q + 1]) - drains[-1]
+        assert (np.diff(times[rows, 0]) >= 0).all()
+    # critical_path reads a replay like a profiled step, back to the first task
+    assert critical_path_of_run(times, schedule)[0].how == START
+
+
+def test_replay_takes_each_tasks_own_run_time_or_its_opcodes_mean():
+    schedule = Schedule(bench.geometry("mk-small"), 4, [128, 128])
+    times = timed_step(schedule)
+    times[:, 2] = times[:, 1] + 1000 + np.arange(len(times))  # every task its own run time
+    runs, guessed = replay_runs(schedule, schedule, times)
+    assert guessed == 0
+    assert (runs[schedule.tasks["op"] != Opcode.DRAIN] == times[:, 2] - times[:, 1]).all()
+    other = Schedule(bench.geometry("mk-small"), 4, [2048, 2048])  # longer rows: other attention splits
+    runs, guessed = replay_runs(other, schedule, times)
+    assert guessed > 0 and (runs[other.tasks["op"] != Opcode.DRAIN] > 0).all()
+    with pytest.raises(ValueError, match="the times have"):
+        replay_runs(schedule, schedule, times[:-1])
+
+
+def test_a_replay_that_cannot_finish_says_so():
+    schedule = Schedule(bench.geometry("mk-small"), 4, [128, 128])
+    tasks = schedule.tasks.copy()
+    first = np.flatnonzero(tasks["op"] == Opcode.QKV)[0]
+    tasks["target"][first] += 1000  # more signals than the step will ever send
+    broken = type("S", (), {"tasks": tasks, "sm_offsets": schedule.sm_offsets,
+                            "queue_offsets": schedule.queue_offsets, "num_sms": schedule.num_sms})
+    with pytest.raises(RuntimeError, match="deadlock"):
+        simulate(broken, np.full(len(tasks), 1000))
+
+
+def test_simulate_command_compares_the_replay_with_the_measured_step(tmp_path, capsys):
+    schedule = Schedule(bench.geometry("mk-small"), 4, [context_bucket(100)] * 2)
+    path = tmp_path / "task-times-b2-c100.npy"
+    np.save(path, simulate(schedule, np.full(len(schedule.tasks), 2000), 0, 0))
+    assert bench.main(["simulate", str(path), "--sms", "4", "--geometry", "mk-small", "--hop-us", "0",
+                       "--turn-us", "0"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    measured, replayed = out[1].split(" us; replayed from the measured run times ")
+    assert measured.strip() == "measured " + replayed.split(" us ")[0]  # its own replay: the same length
+    assert bench.main(["simulate", str(path), "--sms", "4", "--geometry", "mk-small", "--hop-us", "-1"]) == 2
+    assert "--hop-us and --turn-us must be >= 0" in capsys.readouterr().err
