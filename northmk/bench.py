@@ -439,6 +439,17 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+def step_parser(sub, name: str, what: str) -> argparse.ArgumentParser:
+    """A command that reads one profiled step's task times (profiled_step)."""
+    parser = sub.add_parser(name, help=what)
+    parser.add_argument("times", help="task-times-b{B}-c{C}.npy from a decode run")
+    parser.add_argument("--batch", type=int, help="rows of the step (default: from the file name)")
+    parser.add_argument("--context", type=int, help="tokens of KV per row (default: from the file name)")
+    parser.add_argument("--sms", type=int, default=132, help="SMs of the device that ran it")
+    parser.add_argument("--geometry", choices=sorted(PRESETS), default="north")
+    return parser
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = OneLineParser(prog="python -m northmk.bench")
     sub = parser.add_subparsers(dest="what", required=True)
@@ -461,19 +472,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = sub.add_parser("plot", help="plot result files (their rows on one plot)")
     p.add_argument("result", nargs="+")
     p.add_argument("--out", help="PNG path (default: the first result's path with .png)")
-    c = sub.add_parser("critical", help="the chain of tasks that set a profiled step's length")
-    c.add_argument("times", help="task-times-b{B}-c{C}.npy from a decode run")
-    c.add_argument("--batch", type=int, help="rows of the step (default: from the file name)")
-    c.add_argument("--context", type=int, help="tokens of KV per row (default: from the file name)")
-    c.add_argument("--sms", type=int, default=132, help="SMs of the device that ran it")
-    c.add_argument("--geometry", choices=sorted(PRESETS), default="north")
+    c = step_parser(sub, "critical", "the chain of tasks that set a profiled step's length")
     c.add_argument("--layer", type=int, help="the layer whose links to list (default: the chain's middle one)")
-    m = sub.add_parser("simulate", help="replay a profiled step's schedule from its tasks' run times")
-    m.add_argument("times", help="task-times-b{B}-c{C}.npy from a decode run")
-    m.add_argument("--batch", type=int, help="rows of the step (default: from the file name)")
-    m.add_argument("--context", type=int, help="tokens of KV per row (default: from the file name)")
-    m.add_argument("--sms", type=int, default=132, help="SMs of the device that ran it")
-    m.add_argument("--geometry", choices=sorted(PRESETS), default="north")
+    m = step_parser(sub, "simulate", "replay a profiled step's schedule from its tasks' run times")
     m.add_argument("--hop-us", type=float, default=0.5, help="a counter complete -> its waiter running")
     m.add_argument("--turn-us", type=float, default=0.7, help="an SM's task ended -> its next running")
     args = parser.parse_args(argv)
