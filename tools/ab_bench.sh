@@ -32,6 +32,7 @@ export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 # (default 2): the device runs a little faster as a call goes on, so each variant takes every
 # position once per round.
 trees=(ab/*/)
+[ ${#trees[@]} -gt 0 ] || { echo "$0: no variant built (tools/ab_bench.sh prepare NAME REV first)" >&2; exit 1; }
 jobs=$(( $(nproc) / ${#trees[@]} )); [ "$jobs" -ge 1 ] || jobs=1
 t0=$(date +%s)
 for tree in "${trees[@]}"; do
