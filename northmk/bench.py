@@ -414,13 +414,13 @@ def critical(args) -> str:
 
 def simulate(args) -> str:
     """The report of `simulate`: the step as measured, replayed with its gaps, and without."""
-    from .bench_critical import critical_path_of_run
+    from .bench_critical import check_times
     from .bench_simulate import replay_runs, simulate as replay
 
     times, schedule, which = profiled_step(args)
     if args.hop_us < 0 or args.turn_us < 0:
         raise ValueError("--hop-us and --turn-us must be >= 0")
-    critical_path_of_run(times, schedule)  # the same checks: these times belong to this schedule
+    times = check_times(times, schedule)[0]
     runs, _ = replay_runs(schedule, schedule, times)
     span = lambda t: (t[:, 2].max() - t[:, 1].min()) / 1e3  # noqa: E731
     gaps = replay(schedule, runs, round(args.hop_us * 1e3), round(args.turn_us * 1e3))

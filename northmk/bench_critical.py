@@ -137,13 +137,18 @@ def schedule_fields(schedule) -> tuple[np.ndarray, ...]:
             tasks["target"].astype(np.int64), tasks["signal"].astype(np.int64))
 
 
-def critical_path_of_run(times: np.ndarray, schedule) -> list[Link]:
-    """critical_path of a step's task times and the Schedule it ran; ValueError when they do not
-    belong together (another batch, context or SM count)."""
+def check_times(times: np.ndarray, schedule) -> tuple[np.ndarray, ...]:
+    """A step's task times as int64 and its Schedule's wait, target and signal fields;
+    ValueError when they do not belong together (another batch, context or SM count)."""
     op, layer, wait, target, signal = schedule_fields(schedule)
     times = np.asarray(times, dtype=np.int64)
     if times.ndim != 2 or len(times) != len(op):
         raise ValueError(f"the times have {len(times)} tasks, the schedule {len(op)}: another batch, context or SM count?")
     if not ((times[:, 3] & 0xFF) == op).all() or not (((times[:, 3] >> 8) & 0xFF) == layer).all():
         raise ValueError("the times' opcodes and layers differ from the schedule's: another batch, context or SM count?")
-    return critical_path(times, wait, target, signal)
+    return times, wait, target, signal
+
+
+def critical_path_of_run(times: np.ndarray, schedule) -> list[Link]:
+    """critical_path of a step's task times and the Schedule it ran (check_times first)."""
+    return critical_path(*check_times(times, schedule))

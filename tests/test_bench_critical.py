@@ -195,3 +195,5 @@ def test_simulate_command_compares_the_replay_with_the_measured_step(tmp_path, c
     assert measured.strip() == "measured " + replayed.split(" us ")[0]  # its own replay: the same length
     assert bench.main(["simulate", str(path), "--sms", "4", "--geometry", "mk-small", "--hop-us", "-1"]) == 2
     assert "--hop-us and --turn-us must be >= 0" in capsys.readouterr().err
+    assert bench.main(["simulate", str(path), "--sms", "4", "--geometry", "mk-small", "--batch", "1"]) == 2
+    assert "another batch, context or SM count" in capsys.readouterr().err
