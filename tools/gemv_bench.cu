@@ -5,8 +5,8 @@
 // random bf16 weights (several matrices, so L2 never holds them):
 //   tma+wgmma       gemv_begin before a simulated dependency wait, stage_swizzled, gemv_finish
 //                   (the engine's ring: 4 x 32 KB, 16-row boxes)
-//   mma.sync        the megakernel's gemv() (common.cuh: input staged with in_stride, each lane
-//                   loading 8 k32 steps into registers at once)
+//   mma.sync        the megakernel's gemv() (common.cuh: wgmma for tiles in fours, mma.sync
+//                   otherwise, each lane loading 8 k32 steps into registers at once)
 //   mma.sync+pf     the same with an L2 prefetch of the tile before the wait
 //   mma.sync/16     gemv()'s work split, each lane loading 16 k32 steps at once (128 KB per SM)
 //   mma.sync/pipe   the same, software-pipelined in registers: the loads of the next 8 k32 steps
@@ -98,7 +98,7 @@ static_assert(kInputBytes >= kRingOverread, "the input follows the ring and abso
 
 // GemvSmem of the widest tile (K range 2048, 256 rows), then `scratch` bytes of its extra.
 int mma_smem(int scratch) {
-    return NMK_MK_MAX_BATCH * in_stride(2048) * (int)sizeof(bf16) + kGemvMaxRows * 8 * (int)sizeof(float) +
+    return in_bytes(2048) + kGemvMaxRows * 8 * (int)sizeof(float) +
            kMaxGemvItems * 128 * (int)sizeof(float) + scratch;
 }
 
@@ -173,17 +173,18 @@ __device__ __forceinline__ void load_steps(uint4 (&wl)[S], uint4 (&wh)[S], const
 }
 
 template <int S>
-__device__ __forceinline__ void mma_steps(float c[4], const uint4 (&wl)[S], const uint4 (&wh)[S], const bf16 *x,
+__device__ __forceinline__ void mma_steps(float c[4], const uint4 (&wl)[S], const uint4 (&wh)[S], uint32_t x,
                                           int k, int n) {
 #pragma unroll
     for (int i = 0; i < S; i++)
-        if (i < n) mma_k32(c, wl[i], wh[i], *reinterpret_cast<const uint4 *>(x + k + 32 * i));
+        if (i < n) mma_k32(c, wl[i], wh[i], load_in_k32(x, k + 32 * i));
 }
 
 // Bursts of S steps loaded into registers, then their mmas; the rest in one burst of fewer steps.
 template <int S>
 struct DotBurst {
-    __device__ __forceinline__ void operator()(const bf16 *lo, const bf16 *hi, const bf16 *x, int ka, int kb,
+    static constexpr bool kWarpgroups = false;  // mma.sync for every tile count
+    __device__ __forceinline__ void operator()(const bf16 *lo, const bf16 *hi, uint32_t x, int ka, int kb,
                                                float c[4], char *) const {
         uint4 wl[S], wh[S];
         int k = ka;
@@ -207,7 +208,8 @@ struct DotBurst {
 // loads; the SASS shows no wait that leaves loads in flight.
 template <int S, int NB>
 struct DotRing {
-    __device__ __forceinline__ void operator()(const bf16 *lo, const bf16 *hi, const bf16 *x, int ka, int kb,
+    static constexpr bool kWarpgroups = false;  // mma.sync for every tile count
+    __device__ __forceinline__ void operator()(const bf16 *lo, const bf16 *hi, uint32_t x, int ka, int kb,
                                                float c[4], char *) const {
         constexpr int kBatch = 32 * S;  // k per batch
         uint4 wl[NB][S], wh[NB][S];
@@ -245,9 +247,10 @@ struct DotRing {
 // commits a group, empty or not, so the count stays exact.
 template <int S, int NB>
 struct DotAsync {
+    static constexpr bool kWarpgroups = false;  // mma.sync for every tile count
     static constexpr int kStepBytes = 2 * kThreads * 16;
     static constexpr int kScratch = NB * S * kStepBytes;
-    __device__ __forceinline__ void operator()(const bf16 *lo, const bf16 *hi, const bf16 *x, int ka, int kb,
+    __device__ __forceinline__ void operator()(const bf16 *lo, const bf16 *hi, uint32_t x, int ka, int kb,
                                                float c[4], char *scratch) const {
         const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(scratch)) + threadIdx.x * 16;
         const int batches = ((kb - ka) / 32 + S - 1) / S;
@@ -276,7 +279,7 @@ struct DotAsync {
                 const int k = ka + (b * S + i) * 32;
                 if (k < kb)
                     mma_k32(c, lds128(slot + i * kStepBytes), lds128(slot + i * kStepBytes + kThreads * 16),
-                            *reinterpret_cast<const uint4 *>(x + k));
+                            load_in_k32(x, k));
             }
         }
         asm volatile("cp.async.wait_group 0;" ::: "memory");  // only empty groups are left

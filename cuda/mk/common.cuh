@@ -2,6 +2,9 @@
 // tensor-core GEMV every matrix task runs.
 #pragma once
 
+#include <cute/arch/mma_sm90_desc.hpp>
+#include <cute/arch/mma_sm90_gmma.hpp>
+
 #include "config.cuh"
 
 namespace nmk::mk {
@@ -116,15 +119,28 @@ __device__ __forceinline__ void unpack8(uint4 v, float out[8]) {
     }
 }
 
-// ---- GEMV inputs: [8][in_stride(K)] bf16 in shared memory, one row per batch row ----------------
-// The stride is 32 elements past a multiple of 64, so the 8 lanes of a 16-byte shared-load
-// phase (two rows x four 16-byte chunks) hit 32 distinct banks.
-__host__ __device__ __forceinline__ int in_stride(int K) { return (K + 63) / 64 * 64 + 32; }
+// ---- GEMV inputs: the 8 batch rows of a K-wide input in shared memory -------------------------
+// Laid out as the tensor cores read them (wgmma's K-major B operand without swizzle, and
+// ldmatrix for mma.sync): each 32-wide k block is four 8 x 16-byte core matrices 128 bytes
+// apart, and core matrix q holds, at row n and word t, the block's k pair 4t + q of batch row
+// n. That is the order in which a lane's 16 contiguous weight bytes per row meet the mma
+// fragments (gemv). Blocks are kInBlockBytes apart: 16 bytes of padding put a warp's staging
+// stores of 32 consecutive chunks into 32 banks. K % 32 == 0.
+constexpr int kInBlockBytes = 4 * 128 + 16;
+__host__ __device__ constexpr int in_bytes(int K) { return K / 32 * kInBlockBytes; }
 
-// Copies rows x K bf16 (K % 8 == 0) from global scratch (src_stride apart) to a GEMV input,
-// four 16-byte loads in flight per thread.
+// Chunk c (k = 8c .. 8c + 7, the k pairs 4c .. 4c + 3) of batch row n.
+__device__ __forceinline__ void store_in_chunk(bf16 *in, int n, int c, uint4 v) {
+    uint32_t *w = reinterpret_cast<uint32_t *>(reinterpret_cast<char *>(in) + (c >> 2) * kInBlockBytes + n * 16) +
+                  (c & 3);
+    w[0] = v.x, w[32] = v.y, w[64] = v.z, w[96] = v.w;
+}
+
+// Copies rows x K bf16 (K % 32 == 0) from global scratch (src_stride apart) to a GEMV input,
+// four 16-byte loads in flight per thread. The caller's barrier publishes it, to wgmma's
+// reads (the async proxy) too.
 __device__ __forceinline__ void stage_bf16(bf16 *dst, const bf16 *src, int rows, int K, int src_stride) {
-    const int chunks = K / 8, ds = in_stride(K), total = rows * chunks;
+    const int chunks = K / 8, total = rows * chunks;
     for (int base = threadIdx.x; base < total; base += 4 * kThreads) {
         uint4 v[4] = {};
 #pragma unroll
@@ -136,9 +152,10 @@ __device__ __forceinline__ void stage_bf16(bf16 *dst, const bf16 *src, int rows,
 #pragma unroll
         for (int j = 0; j < 4; j++) {
             const int i = base + j * kThreads;
-            if (i < total) reinterpret_cast<uint4 *>(dst + (i / chunks) * ds)[i % chunks] = v[j];
+            if (i < total) store_in_chunk(dst, i / chunks, i % chunks, v[j]);
         }
     }
+    fence_proxy_async_shared();
 }
 
 // ---- shared memory a CTA keeps across its tasks of a step -----------------------------------
@@ -155,7 +172,7 @@ struct Kept {
 
 __device__ __forceinline__ Kept &kept(char *smem) { return *reinterpret_cast<Kept *>(smem + kTaskSmemBytes); }
 
-// The normed residual as a GEMV input at smem offset 0 (in_stride(H) apart): h =
+// The normed residual as a GEMV input at smem offset 0: h =
 // bf16(round(x * rms) * weight), rms from the NORM tiles' sums of squares (the roundings of
 // the reference's RMSNorm). `tag` names the norm (a layer, or num_layers for the final one):
 // when the CTA's last staging was the same, the input is still there and nothing is read.
@@ -167,7 +184,7 @@ __device__ __forceinline__ void stage_normed(char *smem, const Params &p, const 
     if (k.normed == tag) return;
     bf16 *dst = reinterpret_cast<bf16 *>(smem);
     float *rms = k.rms;
-    const int H = p.hidden, ds = in_stride(H), chunks = H / 8, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int H = p.hidden, chunks = H / 8, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     if (warp < B) {
         float ss = 0.f;
         for (int t = lane; t < p.plan.norm_tiles; t += 32) ss += load_l2(p.ss + warp * kMaxNormTiles + t);
@@ -198,18 +215,24 @@ __device__ __forceinline__ void stage_normed(char *smem, const Params &p, const 
             for (int j = 0; j < 4; j++)
                 o[j] = pack_bf16(round_bf16(v[2 * j] * rms[r]) * wf[2 * j],
                                  round_bf16(v[2 * j + 1] * rms[r]) * wf[2 * j + 1]);
-            reinterpret_cast<uint4 *>(dst + r * ds)[c] = out;
+            store_in_chunk(dst, r, c, out);
         }
     }
+    fence_proxy_async_shared();
     __syncthreads();
     if (threadIdx.x == 0) k.normed = tag;  // every thread read it above, before the barrier
 }
 
 // ---- the tensor-core GEMV ---------------------------------------------------------------------
-// mma.m16n8k16 with weights as A (16 rows) and the 8 batch rows as B. The reduction order
-// inside an mma is free, so each lane loads 16 contiguous bytes per row: lane (g, t) reads
-// weight rows g and g + 8 and input row g at k0 + 8t .. k0 + 8t + 7, and the two mmas of a
-// 32-wide k step take words {0, 1} and {2, 3} of those chunks as their k pairs.
+// Weights as A (16 rows a warp) straight from global memory into registers, the 8 batch rows
+// as B. The reduction order inside an mma is free, so each lane loads 16 contiguous bytes per
+// row: lane (g, t) reads weight rows g and g + 8 at k0 + 8t .. k0 + 8t + 7 of a 32-wide k step,
+// and the step's two k16 mmas take words {0, 1} and {2, 3} of those chunks as the fragment's
+// k pairs {2t, 2t + 1} and {2t + 8, 2t + 9}; the input's layout (store_in_chunk) holds the
+// matching k pairs of x in the B operand's places. Tiles in fours run as one wgmma m64n8k16
+// per k16 step for the warpgroup (A from the four warps' registers, B from shared memory);
+// other tiles as mma.sync m16n8k16 per warp, B through ldmatrix. The fragments of A and of
+// the accumulators are the same in both.
 __device__ __forceinline__ void mma_bf16(float c[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
                                          uint32_t b1) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
@@ -218,63 +241,136 @@ __device__ __forceinline__ void mma_bf16(float c[4], uint32_t a0, uint32_t a1, u
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// lo, hi: the lane's 16 bytes of rows g and g + 8; x: its words of the input's block.
 __device__ __forceinline__ void mma_k32(float c[4], uint4 lo, uint4 hi, uint4 x) {
     mma_bf16(c, lo.x, hi.x, lo.y, hi.y, x.x, x.y);
     mma_bf16(c, lo.z, hi.z, lo.w, hi.w, x.z, x.w);
 }
 
+// The lane's address for ldmatrix in a GEMV input (in_addr: its shared-memory address): lane l
+// points at row l % 8 of core matrix l / 8, so load_in_k32 returns word t of row g of the four
+// core matrices, the B fragments of mma_k32.
+__device__ __forceinline__ uint32_t in_lane_addr(uint32_t in_addr) {
+    const int lane = threadIdx.x & 31;
+    return in_addr + (lane >> 3) * 128 + (lane & 7) * 16;
+}
+__device__ __forceinline__ uint4 load_in_k32(uint32_t lane_addr, int k) {
+    uint4 v;
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "r"(lane_addr + k / 32 * kInBlockBytes));
+    return v;
+}
+
+// wgmma's descriptor of the input's block holding k (K-major, no swizzle: the two core
+// matrices of a k16 step 128 bytes apart); + 256 bytes (16 units) for the step's second k16.
+__device__ __forceinline__ uint64_t in_desc(uint32_t in_addr, int k) {
+    cute::GmmaDescriptor d;
+    d.bitfield.start_address_ = static_cast<uint16_t>((in_addr + k / 32 * kInBlockBytes) >> 4);
+    d.bitfield.leading_byte_offset_ = 128 >> 4;
+    d.bitfield.stride_byte_offset_ = 512 >> 4;  // to the next 8 batch rows: there are none
+    d.bitfield.base_offset_ = 0;
+    d.bitfield.layout_type_ = static_cast<uint8_t>(cute::SM90::GMMA::LayoutType::INTERLEAVE);
+    return d.desc_;
+}
+
+using Wgmma = cute::SM90::GMMA::MMA_64x8x16_F32BF16BF16_RS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
+
+// The warp's quarter of a warpgroup's wgmmas over S 32-wide steps (both k16 of each) from
+// `desc`, A from lo and hi; waits until they have read the registers.
+template <int S>
+__device__ __forceinline__ void wgmma_steps(float c[4], const uint4 *lo, const uint4 *hi, uint64_t desc) {
+#pragma unroll
+    for (int v = 0; v < 4; v++) cute::warpgroup_fence_operand(c[v]);
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int i = 0; i < S; i++) {
+        const uint64_t d = desc + i * (kInBlockBytes >> 4);
+        Wgmma::fma(lo[i].x, hi[i].x, lo[i].y, hi[i].y, d, c[0], c[1], c[2], c[3]);
+        Wgmma::fma(lo[i].z, hi[i].z, lo[i].w, hi[i].w, d + (256 >> 4), c[0], c[1], c[2], c[3]);
+    }
+    cute::warpgroup_commit_batch();
+    cute::warpgroup_wait<0>();
+#pragma unroll
+    for (int v = 0; v < 4; v++) cute::warpgroup_fence_operand(c[v]);
+}
+
 constexpr int kStepsInFlight = 8;  // 32-wide k steps whose weight loads a lane issues together
 
-// c += rows lo, hi (lane's rows g, g + 8) . input row g over k in [ka, kb) (multiples of 32).
-__device__ __forceinline__ void tile_dot(const bf16 *lo, const bf16 *hi, const bf16 *x, int ka, int kb, float c[4]) {
+// c += rows lo, hi (lane's rows g, g + 8) . input row g over k in [ka, kb) (multiples of 32):
+// with wgmma (kWg, the whole warpgroup at once; in_addr the input's address) or mma.sync
+// (in_addr the lane's ldmatrix address).
+template <bool kWg>
+__device__ __forceinline__ void tile_dot(const bf16 *lo, const bf16 *hi, uint32_t in_addr, int ka, int kb, float c[4]) {
     int k = ka;
+    uint4 wl[kStepsInFlight], wh[kStepsInFlight];
     for (; k + 32 * kStepsInFlight <= kb; k += 32 * kStepsInFlight) {
-        uint4 wl[kStepsInFlight], wh[kStepsInFlight];
 #pragma unroll
         for (int i = 0; i < kStepsInFlight; i++) {
             wl[i] = load_weight(lo + k + 32 * i);
             wh[i] = load_weight(hi + k + 32 * i);
         }
+        if (kWg) {
+            wgmma_steps<kStepsInFlight>(c, wl, wh, in_desc(in_addr, k));
+        } else {
 #pragma unroll
-        for (int i = 0; i < kStepsInFlight; i++) mma_k32(c, wl[i], wh[i], *reinterpret_cast<const uint4 *>(x + k + 32 * i));
+            for (int i = 0; i < kStepsInFlight; i++) mma_k32(c, wl[i], wh[i], load_in_k32(in_addr, k + 32 * i));
+        }
     }
-    for (; k < kb; k += 32) mma_k32(c, load_weight(lo + k), load_weight(hi + k), *reinterpret_cast<const uint4 *>(x + k));
+    for (; k < kb; k += 32) {
+        const uint4 l = load_weight(lo + k), h = load_weight(hi + k);
+        if (kWg) wgmma_steps<1>(c, &l, &h, in_desc(in_addr, k));
+        else mma_k32(c, l, h, load_in_k32(in_addr, k));
+    }
 }
 
-// tile_dot as gemv's k loop; tools/gemv_bench.cu passes others (with shared scratch) in its place.
+// tile_dot as gemv's k loops; tools/gemv_bench.cu passes others (with shared scratch, mma.sync
+// only: kWarpgroups false) in its place.
 struct TileDot {
-    __device__ __forceinline__ void operator()(const bf16 *lo, const bf16 *hi, const bf16 *x, int ka, int kb,
+    static constexpr bool kWarpgroups = true;
+    __device__ __forceinline__ void operator()(const bf16 *lo, const bf16 *hi, uint32_t lane_addr, int ka, int kb,
                                                float c[4], char *) const {
-        tile_dot(lo, hi, x, ka, kb, c);
+        tile_dot<false>(lo, hi, lane_addr, ka, kb, c);
+    }
+    __device__ __forceinline__ void warpgroup(const bf16 *lo, const bf16 *hi, uint32_t in_addr, int ka, int kb,
+                                              float c[4]) const {
+        tile_dot<true>(lo, hi, in_addr, ka, kb, c);
     }
 };
 
-// Pieces of K per 16-row tile so that (tile, piece) items spread evenly over the warps: the
-// fewest pieces that minimize the busiest warp's share, at most kWarps pieces, kMaxGemvItems
-// items and one 32-wide step per piece.
-__device__ __forceinline__ int k_parts(int tiles, int steps) {
-    int best = 1, best_rounds = (tiles + kWarps - 1) / kWarps;  // share = rounds / parts
-    for (int ks = 2; ks <= kWarps && ks <= steps && tiles * ks <= kMaxGemvItems; ks++) {
-        const int rounds = (tiles * ks + kWarps - 1) / kWarps;
+// Pieces of K per unit of work (a 16-row tile for a warp, four for a warpgroup) so that (unit,
+// piece) items spread evenly over the workers: the fewest pieces that minimize the busiest
+// worker's share, at most kWarps pieces, kMaxGemvItems (16-row tile, piece) items and one
+// 32-wide step per piece.
+__device__ __forceinline__ int k_parts(int units, int tiles_per_unit, int workers, int steps) {
+    int best = 1, best_rounds = (units + workers - 1) / workers;  // share = rounds / parts
+    for (int ks = 2; ks <= kWarps && ks <= steps && units * tiles_per_unit * ks <= kMaxGemvItems; ks++) {
+        const int rounds = (units * ks + workers - 1) / workers;
         if (rounds * best < best_rounds * ks) best = ks, best_rounds = rounds;
     }
     return best;
 }
 
 // out[r * 8 + n] = row(r) . in[n] for r < n_rows (out: shared fp32, [round_up(n_rows, 16)][8]).
-// Warps take (16-row tile, piece of K) items (k_parts); pieces add up through `red` (shared,
-// kMaxGemvItems * 128 floats). K % 32 == 0. Ends with a barrier.
+// Tiles in fours go to the two warpgroups as (four tiles, piece of K) items, any other count
+// to the warps as (16-row tile, piece of K) items (k_parts); pieces add up through `red`
+// (shared, kMaxGemvItems * 128 floats). K % 32 == 0. Ends with a barrier.
 template <class Row, class Dot = TileDot>
 __device__ __forceinline__ void gemv(Row row, int n_rows, const bf16 *in, int K, float *out, float *red, Dot dot = {},
                                      char *scratch = nullptr) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int tiles = (n_rows + 15) / 16, steps = K / 32, ks = k_parts(tiles, steps);
-    const bf16 *x = in + g * in_stride(K) + 8 * t;
-    for (int item = warp; item < tiles * ks; item += kWarps) {
-        const int tile = item / ks, part = item % ks, r = tile * 16 + g;
+    const int tiles = (n_rows + 15) / 16, steps = K / 32;
+    const bool wg = Dot::kWarpgroups && tiles % 4 == 0;
+    const int ks = wg ? k_parts(tiles / 4, 4, 2, steps) : k_parts(tiles, 1, kWarps, steps);
+    const int units = (wg ? tiles / 4 : tiles) * ks, first = wg ? warp / 4 : warp, stride = wg ? 2 : kWarps;
+    const uint32_t in_addr = smem_u32(in);
+    for (int u = first; u < units; u += stride) {
+        const int tile = wg ? u / ks * 4 + warp % 4 : u / ks, part = u % ks, item = tile * ks + part, r = tile * 16 + g;
         const bf16 *lo = row(min(r, n_rows - 1)) + 8 * t, *hi = row(min(r + 8, n_rows - 1)) + 8 * t;
+        const int ka = steps * part / ks * 32, kb = steps * (part + 1) / ks * 32;
         float c[4] = {0.f, 0.f, 0.f, 0.f};
-        dot(lo, hi, x, steps * part / ks * 32, steps * (part + 1) / ks * 32, c, scratch);
+        if (wg) dot.warpgroup(lo, hi, in_addr, ka, kb, c);
+        else dot(lo, hi, in_lane_addr(in_addr), ka, kb, c, scratch);
         float *dst = ks == 1 ? out + tile * 128 : red + item * 128;
         *reinterpret_cast<float2 *>(dst + g * 8 + 2 * t) = make_float2(c[0], c[1]);
         *reinterpret_cast<float2 *>(dst + (g + 8) * 8 + 2 * t) = make_float2(c[2], c[3]);
@@ -294,8 +390,7 @@ __device__ __forceinline__ void gemv(Row row, int n_rows, const bf16 *in, int K,
 // Shared-memory carve-up of a GEMV task: input, output, split-K partials, then `extra` bytes
 // (at most kGemvExtraBytes). The widest fits in a task's scratch.
 constexpr int kMaxGemvRows = 512, kGemvExtraBytes = 4096;
-static_assert(NMK_MK_MAX_BATCH * (kMaxK + 64 + 32) * 2 + (kMaxGemvRows + kMaxGemvItems * 16) * 8 * 4 +
-                      kGemvExtraBytes <= kTaskSmemBytes,
+static_assert(in_bytes(kMaxK) + (kMaxGemvRows + kMaxGemvItems * 16) * 8 * 4 + kGemvExtraBytes <= kTaskSmemBytes,
               "a GEMV task's shared memory must stay below kTaskSmemBytes");
 struct GemvSmem {
     bf16 *in;
@@ -303,7 +398,7 @@ struct GemvSmem {
     char *extra;
     __device__ GemvSmem(char *smem, int K, int out_rows) {
         in = reinterpret_cast<bf16 *>(smem);
-        out = reinterpret_cast<float *>(smem + NMK_MK_MAX_BATCH * in_stride(K) * sizeof(bf16));
+        out = reinterpret_cast<float *>(smem + in_bytes(K));
         red = out + (out_rows + 15) / 16 * 16 * 8;
         extra = reinterpret_cast<char *>(red + kMaxGemvItems * 128);
     }
