@@ -171,7 +171,17 @@ def first_divergence(report: list[dict[str, float]], threshold: float = AGREE) -
     return None
 
 
+def tie_band(logits: torch.Tensor) -> float:
+    """How far below a row's top logit another one may lie and still tie with it: the sums'
+    noise (LOGIT_NOISE of the largest |logit|) plus two bf16 spacings at the top logit, since
+    both implementations round every logit to bf16 (a true gap under one spacing can come out
+    as two in one of them and none in the other)."""
+    top = logits.max().float()
+    spacing = torch.finfo(torch.bfloat16).eps * 2.0 ** torch.floor(torch.log2(top.abs().clamp_min(1e-30))).item()
+    return LOGIT_NOISE * logits.abs().max().item() + 2 * spacing
+
+
 def clear_argmax(logits: torch.Tensor) -> bool:
-    """Whether a row's top-2 logit gap exceeds bf16 noise."""
+    """Whether a row's top-2 logit gap exceeds the noise between two bf16 implementations."""
     top2 = logits.topk(2).values
-    return (top2[0] - top2[1]).item() > LOGIT_NOISE * logits.abs().max().item()
+    return (top2[0] - top2[1]).item() > tie_band(logits)

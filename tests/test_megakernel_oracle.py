@@ -11,7 +11,8 @@ from northmk.checkpoint import synthetic_weights
 from northmk.checkpoint_writer import config_dict
 from northmk.config import PAGE_SIZE, ModelConfig
 from northmk.megakernel import MegakernelTrace
-from northmk.megakernel_oracle import expert_sum, first_divergence, layer_report, reference_step
+from northmk.megakernel_oracle import (LOGIT_NOISE, clear_argmax, expert_sum, first_divergence, layer_report,
+                                      reference_step, tie_band)
 from northmk.model.kv import BatchLayout, PagedKVCache
 from northmk.model.reference import ReferenceModel, swiglu
 
@@ -146,3 +147,15 @@ def test_experts_are_added_one_at_a_time_in_ascending_id(tiny):
             want[t] = (want[t].float() + y[0].float()).to(torch.bfloat16)
     got = expert_sum(h, w, experts, layer.experts_gate_up, layer.experts_down)
     assert torch.equal(got, want)
+
+
+def test_an_argmax_two_bf16_spacings_ahead_is_a_tie():
+    # Top logit 9.1875 (bf16 spacing 0.0625 in [8, 16)): the band is 1% of it plus 0.125.
+    logits = torch.tensor([9.1875, 9.0625, -3.0, 1.0], dtype=torch.bfloat16).float()
+    assert tie_band(logits) == pytest.approx(LOGIT_NOISE * 9.1875 + 0.125)
+    assert not clear_argmax(logits)
+    logits[1] = 8.9375  # 0.25 behind: clear
+    assert clear_argmax(logits)
+    # The band scales with the top logit's binade, not the largest magnitude's.
+    low = torch.tensor([0.75, 0.5, -20.0])
+    assert tie_band(low) == pytest.approx(LOGIT_NOISE * 20.0 + 2 * 2.0**-8)
