@@ -3,7 +3,7 @@
 // 64 values of a page, 16 KB each) into a ring of kAttnSlots slots in shared memory; warp w
 // takes keys 8w .. 8w + 7 of every page: scores of the group's query heads by tensor cores
 // (S = Q K^T, heads as the mma's rows, keys as its 8 columns), an online softmax per head,
-// then P V by FMAs with each lane owning 4 dims. The warps merge into the split's partial
+// then O^T += V^T P^T by tensor cores too (dims as the mma's rows, the heads as its columns). The warps merge into the split's partial
 // (acc, max, sum); the last split of the pair to finish merges the splits into attn_out (a
 // ticket per pair in global memory), so o-proj waits on ATTN alone.
 #pragma once
@@ -29,8 +29,6 @@ __device__ __forceinline__ float *part_of(const Params &p, int b, int kvh, int s
 // After the ring, in the task's shared memory.
 struct AttnSmem {
     bf16 q[kMaxGroup][kQStride];
-    float p[kWarps][kChunk][kMaxGroup];  // per warp: probabilities of its chunk's keys
-    float corr[kWarps][kMaxGroup];
     float m[kWarps][kMaxGroup], l[kWarps][kMaxGroup];
     float split_w[NMK_MK_MAX_SPLITS][kMaxGroup], split_l[NMK_MK_MAX_SPLITS][kMaxGroup];
     float den[kMaxGroup];
@@ -159,11 +157,13 @@ __device__ inline void run_attention(const Params &p, int layer, int b, int kvh,
     for (int j = 0; j < kHeadDim / 32; j++) qa[j] = *reinterpret_cast<const uint4 *>(&s.q[g][32 * j + 8 * t]);
 
     float m = -INFINITY, l = 0.f;  // head g's running max and sum (the same in the 4 lanes of g)
-    float acc[kMaxGroup][4];       // head h, dims 4 * lane .. + 3
+    float acc[kHeadDim / 16][4];   // [j]: dims 16j + g (0, 1), 16j + g + 8 (2, 3) of heads 2t (0, 2), 2t + 1 (1, 3)
 #pragma unroll
-    for (int h = 0; h < kMaxGroup; h++)
+    for (int j = 0; j < kHeadDim / 16; j++)
 #pragma unroll
-        for (int i = 0; i < 4; i++) acc[h][i] = 0.f;
+        for (int i = 0; i < 4; i++) acc[j][i] = 0.f;
+    // The lane's ldmatrix row in a slot's values: key 8 warp + lane % 8, dims 8 (lane / 8) ...
+    const uint32_t v_lane = smem_u32(ring) + kSlabBytes + (kChunk * warp + (lane & 7)) * kHeadDim * 2 + (lane >> 3) * 16;
 
     for (int i = 0; i < np; i++) {
         const int slot = i % kAttnSlots, kc = (pg0 + i) * kPage + kChunk * warp;
@@ -191,43 +191,34 @@ __device__ inline void run_attention(const Params &p, int layer, int b, int kvh,
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
             const float m_new = fmaxf(m, mx);  // finite: the chunk has a live key
             const float corr = __expf(m - m_new);
-            float sum = 0.f;
-#pragma unroll
-            for (int i2 = 0; i2 < 2; i2++) {
-                const float e = __expf(v2[i2] - m_new);
-                s.p[warp][2 * t + i2][g] = e;
-                sum += e;
-            }
+            const float e0 = __expf(v2[0] - m_new), e1 = __expf(v2[1] - m_new);
+            float sum = e0 + e1;
             sum += __shfl_xor_sync(0xffffffffu, sum, 1);
             sum += __shfl_xor_sync(0xffffffffu, sum, 2);
             l = l * corr + sum, m = m_new;
-            if (t == 0) s.corr[warp][g] = corr;
-            __syncwarp();
+            // O^T += V^T P^T by tensor cores: P^T (keys 2t, 2t + 1 of head g) is the B fragment
+            // as the scores left it, in two bf16 parts (P = hi + lo: fp32's precision, as the
+            // FMAs had); V^T's A fragments come transposed by ldmatrix, with the halves of dead
+            // keys zeroed (their values may be garbage, and 0 * NaN is NaN).
+            const uint32_t p_hi = pack_bf16(e0, e1), p_lo = pack_bf16(e0 - round_bf16(e0), e1 - round_bf16(e1));
+            const float ca = __shfl_sync(0xffffffffu, corr, 8 * t), cb = __shfl_sync(0xffffffffu, corr, 8 * t + 4);
+            const int key = kc + 2 * t;
+            const uint32_t live = (key >= key0 && key < key1 ? 0x0000ffffu : 0u) |
+                                  (key + 1 >= key0 && key + 1 < key1 ? 0xffff0000u : 0u);
+            const uint32_t va = v_lane + slot * 2 * kSlabBytes;
 #pragma unroll
-            for (int h = 0; h < kMaxGroup; h++) {
-                const float c = s.corr[warp][h];
+            for (int q = 0; q < kHeadDim / 32; q++) {
+                uint32_t r[4];
+                ldmatrix_x4_trans(r, va + q * 64);
 #pragma unroll
-                for (int i2 = 0; i2 < 4; i2++) acc[h][i2] *= c;
-            }
-#pragma unroll
-            for (int j = 0; j < kChunk; j++) {
-                if (kc + j < key0 || kc + j >= key1) continue;  // the same for the whole warp; V there may be garbage
-                const uint2 vr = *reinterpret_cast<const uint2 *>(vs + j * kHeadDim + 4 * lane);
-                const __nv_bfloat162 *vh = reinterpret_cast<const __nv_bfloat162 *>(&vr);
-                const float2 va = __bfloat1622float2(vh[0]), vb = __bfloat1622float2(vh[1]);
-                const float4 pa = *reinterpret_cast<const float4 *>(&s.p[warp][j][0]);
-                const float4 pb = *reinterpret_cast<const float4 *>(&s.p[warp][j][4]);
-                const float pj[8] = {pa.x, pa.y, pa.z, pa.w, pb.x, pb.y, pb.z, pb.w};
-#pragma unroll
-                for (int h = 0; h < kMaxGroup; h++) {
-                    acc[h][0] = fmaf(pj[h], va.x, acc[h][0]);
-                    acc[h][1] = fmaf(pj[h], va.y, acc[h][1]);
-                    acc[h][2] = fmaf(pj[h], vb.x, acc[h][2]);
-                    acc[h][3] = fmaf(pj[h], vb.y, acc[h][3]);
+                for (int h = 0; h < 2; h++) {
+                    float *c = acc[2 * q + h];
+                    c[0] *= ca, c[1] *= cb, c[2] *= ca, c[3] *= cb;
+                    mma_bf16_k8(c, r[2 * h] & live, r[2 * h + 1] & live, p_hi);
+                    mma_bf16_k8(c, r[2 * h] & live, r[2 * h + 1] & live, p_lo);
                 }
             }
         }
-        __syncwarp();  // the warp's reads of s.p are done before its next chunk writes it
         mbar_arrive(&s.empty[slot]);  // every thread releases its own reads of the slot
         const int next = i + kAttnSlots;
         if (threadIdx.x == 0 && next < np) issue(next, next < kListedPages ? s.page[next] : load_l2(table + next));
@@ -239,8 +230,10 @@ __device__ inline void run_attention(const Params &p, int layer, int b, int kvh,
         for (int j = 0; j < kAttnSlots; j++) mbar_inval(&s.full[j]), mbar_inval(&s.empty[j]);
     WarpAcc &wacc = *reinterpret_cast<WarpAcc *>(ring);
 #pragma unroll
-    for (int h = 0; h < kMaxGroup; h++)
-        *reinterpret_cast<float4 *>(&wacc[warp][h][4 * lane]) = make_float4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]);
+    for (int j = 0; j < kHeadDim / 16; j++) {
+        wacc[warp][2 * t][16 * j + g] = acc[j][0], wacc[warp][2 * t + 1][16 * j + g] = acc[j][1];
+        wacc[warp][2 * t][16 * j + g + 8] = acc[j][2], wacc[warp][2 * t + 1][16 * j + g + 8] = acc[j][3];
+    }
     __syncthreads();
     float *mine = part_of(p, b, kvh, split, 0);
     for (int i = threadIdx.x; i < G * kHeadDim; i += kThreads) {
