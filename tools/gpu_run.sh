@@ -45,9 +45,8 @@ fi
 if [ "$SANITIZE" = 1 ]; then
   # racecheck on the bulk-copy handshakes alone (tools/racecheck_bulk_probe.cu): what the tool
   # reports there is its model of the pattern, which the attention ring shares
-  nvcc -arch=sm_90a -std=c++17 -I include -I cuda tools/racecheck_bulk_probe.cu -o build/racecheck_bulk_probe \
-    >"$OUT/sanitize-probe.log" 2>&1 \
-    && timeout 60 compute-sanitizer --tool racecheck --error-exitcode 9 --print-limit 5 build/racecheck_bulk_probe \
+  cmake --build build/gpu --target northmk_racecheck_probe -j 16 >"$OUT/sanitize-probe.log" 2>&1 \
+    && timeout 60 compute-sanitizer --tool racecheck --error-exitcode 9 --print-limit 5 build/gpu/northmk_racecheck_probe \
     >>"$OUT/sanitize-probe.log" 2>&1
   rc=$?; san_rc="$san_rc probe=$rc"
   echo "racecheck probe rc=$rc"; grep -E "RACECHECK SUMMARY|probe:|Error" "$OUT/sanitize-probe.log" | head -4

@@ -4,8 +4,8 @@
 // thread releases the slot on a second barrier; thread 0 waits on that, fences, and refills
 // the slot. Two rounds; the sums prove both copies landed. Built and run by tools/gpu_run.sh
 // (SANITIZE=1), where a hazard reported here belongs to the tool's model, not the kernel:
-//   nvcc -arch=sm_90a -std=c++17 -I include -I cuda tools/racecheck_bulk_probe.cu -o probe
-//   compute-sanitizer --tool racecheck ./probe
+//   cmake --build BUILD --target northmk_racecheck_probe
+//   compute-sanitizer --tool racecheck BUILD/northmk_racecheck_probe
 #include <cstdio>
 
 #include "mk/common.cuh"

@@ -383,8 +383,10 @@ __device__ __forceinline__ void gemv(Row row, int n_rows, const bf16 *in, int K,
         const bf16 *lo = row(min(r, n_rows - 1)) + 8 * t, *hi = row(min(r + 8, n_rows - 1)) + 8 * t;
         const int ka = steps * part / ks * 32, kb = steps * (part + 1) / ks * 32;
         float c[4] = {0.f, 0.f, 0.f, 0.f};
-        if (wg) dot.warpgroup(lo, hi, in_addr, ka, kb, c);
-        else dot(lo, hi, in_lane_addr(in_addr), ka, kb, c, scratch);
+        bool done = false;
+        if constexpr (Dot::kWarpgroups)
+            if (wg) dot.warpgroup(lo, hi, in_addr, ka, kb, c), done = true;
+        if (!done) dot(lo, hi, in_lane_addr(in_addr), ka, kb, c, scratch);
         float *dst = ks == 1 ? out + tile * 128 : red + item * 128;
         *reinterpret_cast<float2 *>(dst + g * 8 + 2 * t) = make_float2(c[0], c[1]);
         *reinterpret_cast<float2 *>(dst + (g + 8) * 8 + 2 * t) = make_float2(c[2], c[3]);
