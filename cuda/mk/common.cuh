@@ -341,7 +341,7 @@ __device__ __forceinline__ void tile_dot(const bf16 *lo, const bf16 *hi, uint32_
 // tile_dot as gemv's k loops; tools/gemv_bench.cu passes others (with shared scratch, mma.sync
 // only: kWarpgroups false) in its place.
 struct TileDot {
-    static constexpr bool kWarpgroups = true;
+    static constexpr bool kWarpgroups = true;  // has warpgroup(): tiles in fours run as wgmma
     __device__ __forceinline__ void operator()(const bf16 *lo, const bf16 *hi, uint32_t lane_addr, int ka, int kb,
                                                float c[4], char *) const {
         tile_dot<false>(lo, hi, lane_addr, ka, kb, c);
@@ -351,6 +351,13 @@ struct TileDot {
         tile_dot<true>(lo, hi, in_addr, ka, kb, c);
     }
 };
+
+// dot.warpgroup(...) for a Dot that has it (gemv calls it only then).
+template <class Dot>
+__device__ __forceinline__ void warpgroup_dot(const Dot &dot, const bf16 *lo, const bf16 *hi, uint32_t in_addr, int ka,
+                                              int kb, float c[4]) {
+    if constexpr (Dot::kWarpgroups) dot.warpgroup(lo, hi, in_addr, ka, kb, c);
+}
 
 // Pieces of K per unit of work (a 16-row tile for a warp, four for a warpgroup) so that (unit,
 // piece) items spread evenly over the workers: the fewest pieces that minimize the busiest
@@ -383,10 +390,8 @@ __device__ __forceinline__ void gemv(Row row, int n_rows, const bf16 *in, int K,
         const bf16 *lo = row(min(r, n_rows - 1)) + 8 * t, *hi = row(min(r + 8, n_rows - 1)) + 8 * t;
         const int ka = steps * part / ks * 32, kb = steps * (part + 1) / ks * 32;
         float c[4] = {0.f, 0.f, 0.f, 0.f};
-        bool done = false;
-        if constexpr (Dot::kWarpgroups)
-            if (wg) dot.warpgroup(lo, hi, in_addr, ka, kb, c), done = true;
-        if (!done) dot(lo, hi, in_lane_addr(in_addr), ka, kb, c, scratch);
+        if (wg) warpgroup_dot(dot, lo, hi, in_addr, ka, kb, c);
+        else dot(lo, hi, in_lane_addr(in_addr), ka, kb, c, scratch);
         float *dst = ks == 1 ? out + tile * 128 : red + item * 128;
         *reinterpret_cast<float2 *>(dst + g * 8 + 2 * t) = make_float2(c[0], c[1]);
         *reinterpret_cast<float2 *>(dst + (g + 8) * 8 + 2 * t) = make_float2(c[2], c[3]);
