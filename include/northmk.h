@@ -33,7 +33,7 @@ extern "C" {
 
 /* Bumped on every incompatible change of a declaration below; nmk_abi_version() returns the
  * library's value and bindings refuse a library whose value differs from theirs. */
-#define NMK_ABI_VERSION 3
+#define NMK_ABI_VERSION 4
 
 /* ==== status, errors, versions ==== */
 
@@ -525,6 +525,7 @@ typedef struct nmk_mk_weights {
     const void *final_norm;       /* [H] */
     const nmk_mk_layer *layers;   /* [num_layers], copied */
     void *kv_pages[NMK_KV_MAX_GROUPS];  /* [pages, layers_in_group, 2, kv_heads, page_size, head_dim] */
+    uint32_t kv_num_pages[NMK_KV_MAX_GROUPS];  /* `pages` of each group: >= 1 for a group a layer uses */
 } nmk_mk_weights;
 
 typedef struct nmk_mk nmk_mk;

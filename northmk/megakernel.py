@@ -88,7 +88,7 @@ class Layer(ctypes.Structure):
 
 class Weights(ctypes.Structure):
     _fields_ = [("embed", c_void_p), ("final_norm", c_void_p), ("layers", POINTER(Layer)),
-                ("kv_pages", c_void_p * KV_MAX_GROUPS)]
+                ("kv_pages", c_void_p * KV_MAX_GROUPS), ("kv_num_pages", c_uint32 * KV_MAX_GROUPS)]
 
 
 class StepArgs(ctypes.Structure):
@@ -291,7 +291,9 @@ class Megakernel:
                 router=_ptr(lw.router), experts_gate_up=_ptr(lw.experts_gate_up), experts_down=_ptr(lw.experts_down),
                 kv_group=config.layer_group[i], kv_slot=config.layer_slot[i])
         pages = (c_void_p * KV_MAX_GROUPS)(*[p.data_ptr() for p in kv.pages])
-        w = Weights(embed=_ptr(weights.embed), final_norm=_ptr(weights.final_norm), layers=self._layers, kv_pages=pages)
+        num_pages = (c_uint32 * KV_MAX_GROUPS)(*kv.num_pages)
+        w = Weights(embed=_ptr(weights.embed), final_norm=_ptr(weights.final_norm), layers=self._layers, kv_pages=pages,
+                    kv_num_pages=num_pages)
         self._handle = c_void_p()
         with torch.cuda.device(weights.device):
             check(_lib().nmk_mk_create(byref(self._geometry.value), byref(w), byref(self._handle)))

@@ -86,6 +86,17 @@ __device__ __forceinline__ void bulk_load(void *dst, const void *src, uint32_t b
                  : "memory");
 }
 
+// One box of a tensor map (a 4-D tiled map: coordinates innermost first) into shared memory by
+// the TMA unit, completing on `bar`; the map may sit in the kernel's parameters.
+__device__ __forceinline__ void tensor_load_4d(void *dst, const TensorMap *map, int c0, int c1, int c2, int c3,
+                                               uint64_t *bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
+        "[%6];" ::"r"(smem_u32(dst)),
+        "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_u32(bar))
+        : "memory");
+}
+
 // Orders this thread's earlier accesses through the generic proxy (and those acquired from
 // other SMs) before its later bulk copies: shared memory only, or global and shared memory.
 __device__ __forceinline__ void fence_proxy_async_shared() {
@@ -168,6 +179,8 @@ struct Kept {
     int normed;  // whose normed input sits at offset 0: a layer, num_layers for the final norm, -1 none
     int routed;  // the layer whose routing sits right after this struct (route()), -1 none
     float rms[NMK_MK_MAX_BATCH];  // stage_normed's scratch
+    uint32_t claimed;             // the drain's claimed task (vm.cuh): its index and descriptor
+    nmk_task claimed_task;
 };
 
 __device__ __forceinline__ Kept &kept(char *smem) { return *reinterpret_cast<Kept *>(smem + kTaskSmemBytes); }

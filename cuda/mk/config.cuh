@@ -5,6 +5,7 @@
 #include <stdint.h>
 
 #include "northmk.h"
+#include "tensor_map.hpp"
 
 namespace nmk::mk {
 
@@ -32,10 +33,12 @@ struct Layer {
     bf16 *kv;                  // this layer's slot of its group's pages: add page * page_stride
     int64_t page_stride;       // elements per page of the group
     int32_t group;
+    int32_t kv_slot, kv_layers;  // its slot in the group's pages, and the group's layers (kv_map's coordinates)
     uint8_t dense, sliding, rope;
 };
 
 struct Params {
+    TensorMap kv_map[NMK_KV_MAX_GROUPS];  // each KV group's pages as attention reads them (make_kv_map)
     // geometry
     int hidden, num_layers, num_heads, num_kv_heads, num_experts, top_k, moe_inter, dense_inter, vocab;
     int sliding_window;

@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <climits>
 #include <map>
 #include <memory>
 #include <utility>
@@ -112,7 +113,23 @@ void bind_layers(nmk_mk &mk, const nmk_mk_geometry &g, const nmk_mk_weights &w) 
         d.page_stride = tile * per_group[s.kv_group];
         d.kv = static_cast<bf16 *>(w.kv_pages[s.kv_group]) + tile * s.kv_slot;
         d.group = s.kv_group;
+        d.kv_slot = s.kv_slot, d.kv_layers = per_group[s.kv_group];
         d.dense = g.dense[l] != 0, d.sliding = g.sliding[l] != 0, d.rope = g.rope[l] != 0;
+    }
+    for (int k = 0; k < NMK_KV_MAX_GROUPS; k++) {
+        if (!per_group[k]) continue;
+        const uint64_t pages = w.kv_num_pages[k];
+        // attention's coordinates (page * layers + slot) are int32
+        if (pages < 1 || pages * per_group[k] > INT32_MAX)
+            throw nmk::Error(NMK_ERR_INVALID_ARGUMENT, "KV group " + std::to_string(k) + ": kv_num_pages " +
+                                                           std::to_string(pages) + " is not in [1, " +
+                                                           std::to_string(INT32_MAX / per_group[k]) + "]");
+        try {
+            mk.params.kv_map[k] = nmk::mk::make_kv_map(w.kv_pages[k], pages, per_group[k], g.num_kv_heads,
+                                                       nmk::mk::kPage, g.head_dim);
+        } catch (const std::runtime_error &e) {
+            throw nmk::Error(NMK_ERR_CUDA, e.what());
+        }
     }
     auto *dev = device_alloc<nmk::mk::Layer>(layers.size(), mk.owned);
     cuda_check(cudaMemcpy(dev, layers.data(), layers.size() * sizeof(nmk::mk::Layer), cudaMemcpyHostToDevice),

@@ -1,6 +1,9 @@
 // NMK_OP_ATTN: one split of one (row, kv head): the row's live keys are cut into `splits`
 // page ranges at run time. The TMA unit streams the split's pages (the kv head's 64 keys and
-// 64 values of a page, 16 KB each) into a ring of kAttnSlots slots in shared memory; warp w
+// 64 values of a page, 16 KB each) into a ring of kAttnSlots slots in shared memory, through
+// the group's tensor map (kv_map): each slab as two boxes of 64 dims (8 KB, one 128-byte row
+// a key) with the 128-byte swizzle, so that the warps' reads of a slab hit every bank once
+// (the plain slab's 256-byte rows put a column of keys in one bank group); warp w
 // takes keys 8w .. 8w + 7 of every page: scores of the group's query heads by tensor cores
 // (S = Q K^T, heads as the mma's rows, keys as its 8 columns), an online softmax per head,
 // then O^T += V^T P^T by tensor cores too (dims as the mma's rows, the heads as its columns). The warps merge into the split's partial
@@ -17,6 +20,13 @@ constexpr int kQStride = kHeadDim + 8;     // bf16 per query head in shared memo
 constexpr int kChunk = 8;                  // keys a warp takes of a page: one n8 tile of the mma
 constexpr int kAttnSlots = 3;              // pages in flight per SM (96 KB)
 constexpr int kSlabBytes = kPage * kHeadDim * sizeof(bf16);  // a kv head's keys (or values) of a page
+constexpr int kBoxBytes = kSlabBytes / 2;                     // its dims [0, 64) or [64, 128): 128 bytes a key
+
+// Byte offset in a slab of key `key`'s 16-byte chunk of dims [8c, 8c + 8): box c / 8, row key,
+// chunk c % 8 swizzled by the row (the ring's slots are 1024-byte aligned).
+__device__ __forceinline__ uint32_t slab_offset(int key, int c) {
+    return (c >> 3) * kBoxBytes + key * 128 + (((c & 7) ^ (key & 7)) << 4);
+}
 constexpr int kAttnRingBytes = kAttnSlots * 2 * kSlabBytes;   // at smem offset 0
 constexpr int kListedPages = 128;          // page numbers a split reads up front; later ones from the table
 static_assert(kChunk * kWarps == kPage, "the warps split a page's keys");
@@ -115,11 +125,10 @@ __device__ inline void run_attention(const Params &p, int layer, int b, int kvh,
     const int pg0 = key0 / kPage, np = key1 > key0 ? (key1 - 1) / kPage - pg0 + 1 : 0;  // pages the split reads
     const float scale = rsqrtf((float)kHeadDim);
     const int32_t *table = p.tables[L.group] + (size_t)b * p.table_cols + pg0;
-    const bf16 *keys = L.kv + (size_t)kvh * kPage * kHeadDim;  // + page * page_stride; values a slab further
-    const size_t values = (size_t)p.num_kv_heads * kPage * kHeadDim;
+    const TensorMap *map = &p.kv_map[L.group];
 
     // Thread 0: page i (physical `page`) into slot i % kAttnSlots once every thread has released
-    // the slot's previous page (i - kAttnSlots).
+    // the slot's previous page (i - kAttnSlots): keys, then values, each as two boxes of 64 dims.
     auto issue = [&](int i, int page) {
         const int slot = i % kAttnSlots;
         if (i >= kAttnSlots) {
@@ -127,11 +136,13 @@ __device__ inline void run_attention(const Params &p, int layer, int b, int kvh,
             fence_proxy_async_shared();  // after the slot's readers
         }
         if (page < 0) __trap();  // the host guarantees a page for every position it sends
-        const bf16 *src = keys + (size_t)page * L.page_stride;
         char *dst = ring + slot * 2 * kSlabBytes;
+        const int layer_page = page * L.kv_layers + L.kv_slot;
         mbar_arrive_expect(&s.full[slot], 2 * kSlabBytes);
-        bulk_load(dst, src, kSlabBytes, &s.full[slot]);
-        bulk_load(dst + kSlabBytes, src + values, kSlabBytes, &s.full[slot]);
+#pragma unroll
+        for (int box = 0; box < 4; box++)  // (k, dims 0-63), (k, 64-127), (v, 0-63), (v, 64-127)
+            tensor_load_4d(dst + box * kBoxBytes, map, 64 * (box & 1), 0, (box >> 1) * p.num_kv_heads + kvh,
+                           layer_page, &s.full[slot]);
     };
     if (threadIdx.x == 0) {
         for (int j = 0; j < kAttnSlots; j++) mbar_init(&s.full[j], 1), mbar_init(&s.empty[j], kThreads);
@@ -152,9 +163,13 @@ __device__ inline void run_attention(const Params &p, int layer, int b, int kvh,
             h < G ? load_l2(p.q + (size_t)b * p.num_heads * kHeadDim + (kvh * G + h) * kHeadDim + d) : 0.f);
     }
     __syncthreads();
-    uint4 qa[kHeadDim / 32];  // lane's A fragments: head g, dims 32j + 8t .. + 7
+    // The lane's A fragments: head g, chunk kc(j) = 2t + 8 (j / 2) + j % 2, dims 8 kc(j) .. + 7,
+    // and the keys' B fragments the same chunks: a quarter warp's lanes (two keys, t = 0..3)
+    // then read chunks 2t (+ 1) of one box, which the swizzle by key % 8 puts in 8 bank groups.
+    auto k_chunk = [&](int j) { return 2 * t + 8 * (j >> 1) + (j & 1); };
+    uint4 qa[kHeadDim / 32];
 #pragma unroll
-    for (int j = 0; j < kHeadDim / 32; j++) qa[j] = *reinterpret_cast<const uint4 *>(&s.q[g][32 * j + 8 * t]);
+    for (int j = 0; j < kHeadDim / 32; j++) qa[j] = *reinterpret_cast<const uint4 *>(&s.q[g][8 * k_chunk(j)]);
 
     float m = -INFINITY, l = 0.f;  // head g's running max and sum (the same in the 4 lanes of g)
     float acc[kHeadDim / 16][4];   // [j]: dims 16j + g (0, 1), 16j + g + 8 (2, 3) of heads 2t (0, 2), 2t + 1 (1, 3)
@@ -162,21 +177,24 @@ __device__ inline void run_attention(const Params &p, int layer, int b, int kvh,
     for (int j = 0; j < kHeadDim / 16; j++)
 #pragma unroll
         for (int i = 0; i < 4; i++) acc[j][i] = 0.f;
-    // The lane's ldmatrix row in a slot's values: key 8 warp + lane % 8, dims 8 (lane / 8) ...
-    const uint32_t v_lane = smem_u32(ring) + kSlabBytes + (kChunk * warp + (lane & 7)) * kHeadDim * 2 + (lane >> 3) * 16;
+    // The lane's ldmatrix rows in a slot's values: key 8 warp + lane % 8, dims 32q + 8 (lane / 8) ...
+    // for the q-th ldmatrix (slab_offset's chunk 4q + lane / 8).
+    uint32_t v_lane[kHeadDim / 32];
+#pragma unroll
+    for (int q = 0; q < kHeadDim / 32; q++)
+        v_lane[q] = smem_u32(ring) + kSlabBytes + slab_offset(kChunk * warp + (lane & 7), 4 * q + (lane >> 3));
 
     for (int i = 0; i < np; i++) {
         const int slot = i % kAttnSlots, kc = (pg0 + i) * kPage + kChunk * warp;
         mbar_wait(&s.full[slot], (i / kAttnSlots) & 1);
         // Warp's keys kc .. kc + 7 and their values; a chunk with no live key is skipped whole.
-        const bf16 *ks = reinterpret_cast<const bf16 *>(ring + slot * 2 * kSlabBytes) + kChunk * warp * kHeadDim;
-        const bf16 *vs = ks + kPage * kHeadDim;
+        const char *ks = ring + slot * 2 * kSlabBytes;
         if (kc < key1 && kc + kChunk > key0) {
             // sc: scores of head g for keys kc + 2t, + 1 (c[2], c[3]: the zero heads 8..15)
             float sc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
             for (int j = 0; j < kHeadDim / 32; j++) {
-                const uint4 kr = *reinterpret_cast<const uint4 *>(ks + g * kHeadDim + 32 * j + 8 * t);
+                const uint4 kr = *reinterpret_cast<const uint4 *>(ks + slab_offset(kChunk * warp + g, k_chunk(j)));
                 mma_bf16(sc, qa[j].x, 0u, qa[j].y, 0u, kr.x, kr.y);
                 mma_bf16(sc, qa[j].z, 0u, qa[j].w, 0u, kr.z, kr.w);
             }
@@ -205,11 +223,10 @@ __device__ inline void run_attention(const Params &p, int layer, int b, int kvh,
             const int key = kc + 2 * t;
             const uint32_t live = (key >= key0 && key < key1 ? 0x0000ffffu : 0u) |
                                   (key + 1 >= key0 && key + 1 < key1 ? 0xffff0000u : 0u);
-            const uint32_t va = v_lane + slot * 2 * kSlabBytes;
 #pragma unroll
             for (int q = 0; q < kHeadDim / 32; q++) {
                 uint32_t r[4];
-                ldmatrix_x4_trans(r, va + q * 64);
+                ldmatrix_x4_trans(r, v_lane[q] + slot * 2 * kSlabBytes);
 #pragma unroll
                 for (int h = 0; h < 2; h++) {
                     float *c = acc[2 * q + h];

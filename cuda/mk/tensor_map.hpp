@@ -1,4 +1,5 @@
-// TMA descriptors of the weight matrices the TMA + wgmma GEMV (tma_gemv.cuh) streams.
+// TMA descriptors: the KV pages attention reads, and the weight matrices the TMA + wgmma GEMV
+// (tma_gemv.cuh, the GEMV benchmark's) streams.
 // Host code, CUDA builds only; it calls the driver through the runtime's entry-point lookup,
 // so the library links no libcuda and still loads where no driver exists.
 #pragma once
@@ -25,5 +26,14 @@ static_assert(sizeof(TensorMap) == 128 && alignof(TensorMap) >= 64, "CUtensorMap
 // L2 promotion 256 B. box_rows: a multiple of 8 in [8, 256]; the GEMV ring's 16 by default, its
 // BoxRows for a tall map. Throws std::runtime_error when the driver refuses it.
 TensorMap make_weight_map(const void *base, uint64_t rows, uint64_t K, uint32_t box_rows = kTmaBoxRows);
+
+// The map of one KV group's pages, [pages, layers_in_group, 2, kv_heads, page_size, head_dim]
+// bf16 at `base`, as attention reads them: 4-D {head_dim, page_size, 2 kv_heads (the k heads,
+// then the v heads), pages * layers_in_group}, so that coordinates (d, 0, kv * kv_heads + head,
+// page * layers_in_group + slot) name the box of dims [d, d + 64) of one head's keys (or values)
+// of one page for the layer in `slot`. Box {64, page_size}, 128-byte swizzle (row key's 16-byte
+// chunk c lands at chunk c ^ (key % 8)). Throws std::runtime_error when the driver refuses it.
+TensorMap make_kv_map(void *base, uint64_t pages, uint32_t layers_in_group, uint32_t kv_heads, uint32_t page_size,
+                      uint32_t head_dim);
 
 }  // namespace nmk::mk

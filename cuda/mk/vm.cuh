@@ -94,8 +94,8 @@ template <int B>
 __device__ void drain(const Params &p, int q, char *smem) {
     const uint32_t first = p.queue_offsets[q], count = p.queue_offsets[q + 1] - first;
     uint32_t *head = p.counters + p.plan.num_counters + 1 + q;
-    __shared__ uint32_t claimed;
-    __shared__ nmk_task claimed_task;
+    uint32_t &claimed = kept(smem).claimed;
+    nmk_task &claimed_task = kept(smem).claimed_task;
     uint32_t next = 0;
     nmk_task desc{};
     auto claim = [&] {
@@ -130,8 +130,13 @@ __device__ void run_list(const Params &p, char *smem) {
 // One decode step of batch B (kernel_batch.cuh instantiates each B in its own translation unit).
 template <int B>
 __global__ void __launch_bounds__(kThreads, 1) megakernel(const __grid_constant__ Params p) {
-    extern __shared__ __align__(16) char smem[];
-    if (threadIdx.x == 0) kept(smem) = Kept{-1, -1, {}};
+    // 1024-byte aligned (no static shared memory comes first): attention's ring takes TMA boxes
+    // with the 128-byte swizzle there, whose pattern repeats every 1024 bytes.
+    extern __shared__ __align__(1024) char smem[];
+    if (threadIdx.x == 0) {
+        if (smem_u32(smem) & 1023) __trap();
+        kept(smem) = Kept{-1, -1, {}, 0, {}};
+    }
     __syncthreads();
     run_list<B>(p, smem);
     uint32_t *finished = p.counters + p.plan.num_counters;

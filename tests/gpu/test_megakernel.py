@@ -270,3 +270,19 @@ def test_step_writes_the_buffers_it_is_given_and_refuses_wrong_ones():
         mk.step(tokens, positions, tables, logits, next_tokens.long())
     with pytest.raises(ValueError, match="input tokens' buffer"):
         mk.step(tokens, positions, tables, logits, tokens)
+
+
+def test_create_refuses_kv_groups_without_a_page_count():
+    """Attention reads the pages through a tensor map sized by kv_num_pages: a group a layer
+    uses must have one, and nothing is created without it."""
+    from types import SimpleNamespace
+
+    from northmk.native import NativeError
+
+    config = north(num_layers=2)
+    weights = synthetic_weights(config, torch.bfloat16, "cuda", seed=23)
+    kv, _ = noisy_cache(config, 1, 100, seed=24)
+    no_count = SimpleNamespace(pages=kv.pages, num_pages=[0] * len(kv.pages))
+    with pytest.raises(NativeError, match="kv_num_pages 0 is not in"):
+        Megakernel(config, weights, no_count)
+    Megakernel(config, weights, kv).close()  # the same pages with their counts
