@@ -35,14 +35,14 @@ __device__ void run_gate_up(const Params &p, int layer, int tile, int y, char *s
             const int b = threadIdx.x;
             if (threadIdx.x == 0) p.slot_expert[y] = e;
             p.slot_k[y * B + b] = e < 0 ? -1 : r.k_of[b][e];
-            if (y == 0)
-                for (int f = 0; f < p.num_experts; f++) {
-                    const int k = r.k_of[b][f];
-                    if (k < 0) continue;
-                    p.topk_weight[b * p.top_k + k] = round_bf16(1.f / (1.f + expf(-r.logit[b][f])));
-                    if (p.debug_experts) p.debug_experts[((size_t)layer * NMK_MK_MAX_BATCH + b) * p.top_k + k] = f;
-                }
         }
+        if (tile == 0 && y == 0)  // every (row, expert) pair by its own thread
+            for (int i = threadIdx.x; i < B * p.num_experts; i += kThreads) {
+                const int b = i / p.num_experts, f = i % p.num_experts, k = r.k_of[b][f];
+                if (k < 0) continue;
+                p.topk_weight[b * p.top_k + k] = round_bf16(1.f / (1.f + expf(-r.logit[b][f])));
+                if (p.debug_experts) p.debug_experts[((size_t)layer * NMK_MK_MAX_BATCH + b) * p.top_k + k] = f;
+            }
         w = expert_weights(p, L, e);
         if (!w.gate_up) return;
     }

@@ -45,27 +45,40 @@ __device__ const Routing &route(const Params &p, int layer, char *smem) {
     const unsigned below = (1u << lane) - 1;
     for (int i = threadIdx.x; i < B * E; i += kThreads) r.logit[i / E][i % E] = load_l2(p.router_logits + i);
     __syncthreads();
-    // Row b picks expert e when fewer than K experts beat it (a larger logit, or equal and a lower id).
-    for (int i = threadIdx.x; i < B * 128; i += kThreads) {
-        const int b = i / 128, e = i % 128;
-        int rank = K;
-        if (e < E) {
-            const float v = r.logit[b][e];
-            rank = 0;
-            for (int f = 0; f < E; f++) rank += r.logit[b][f] > v || (r.logit[b][f] == v && f < e);
+    // Warp b picks row b's K experts: those that fewer than K experts beat (a larger logit, or
+    // equal and a lower id), one argmax over the warp per pick (lane l holds experts l + 32 i).
+    if (warp < B) {
+        float v[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) v[i] = lane + 32 * i < E ? r.logit[warp][lane + 32 * i] : -INFINITY;
+        unsigned mine = 0;  // bit i: expert lane + 32 i is picked
+        for (int pick = 0; pick < K; pick++) {
+            float bv = -INFINITY;
+            int bi = 128;  // past every expert: any real one beats it
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int e = lane + 32 * i;
+                if (e < E && !(mine >> i & 1) && (v[i] > bv || (v[i] == bv && e < bi))) bv = v[i], bi = e;
+            }
+#pragma unroll
+            for (int o = 16; o; o >>= 1) {
+                const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+                const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+                if (ov > bv || (ov == bv && oi < bi)) bv = ov, bi = oi;
+            }
+            if (bi < 128 && (bi & 31) == lane) mine |= 1u << (bi >> 5);
         }
-        r.picked[b][e] = rank < K;
-    }
-    __syncthreads();
-    if (warp < B) {  // row `warp`: the index of each pick in ascending id
-        int base = 0;
-        for (int c = 0; c < 128; c += 32) {
-            const bool on = r.picked[warp][c + lane];
+        int base = 0;  // the index of each pick in ascending id
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const bool on = mine >> i & 1;
             const unsigned mask = __ballot_sync(0xffffffffu, on);
-            r.k_of[warp][c + lane] = on ? base + __popc(mask & below) : -1;
+            r.picked[warp][32 * i + lane] = on;
+            r.k_of[warp][32 * i + lane] = on ? base + __popc(mask & below) : -1;
             base += __popc(mask);
         }
     }
+    __syncthreads();
     bool used = false;
     if (threadIdx.x < 128)
         for (int b = 0; b < B; b++) used |= r.picked[b][threadIdx.x] != 0;
