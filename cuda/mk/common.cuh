@@ -152,6 +152,7 @@ __device__ __forceinline__ void store_in_chunk(bf16 *in, int n, int c, uint4 v) 
 // reads (the async proxy) too.
 __device__ __forceinline__ void stage_bf16(bf16 *dst, const bf16 *src, int rows, int K, int src_stride) {
     const int chunks = K / 8, total = rows * chunks;
+#pragma unroll 1
     for (int base = threadIdx.x; base < total; base += 4 * kThreads) {
         uint4 v[4] = {};
 #pragma unroll
@@ -205,6 +206,7 @@ __device__ __forceinline__ void stage_normed(char *smem, const Params &p, const 
         if (lane == 0) rms[warp] = rsqrtf(ss / H + p.norm_eps);
     }
     // Chunk c of every row; the first round's loads are in flight across the barrier.
+#pragma unroll 1
     for (int c = threadIdx.x; c < (chunks + kThreads - 1) / kThreads * kThreads; c += kThreads) {
         const bool mine = c < chunks;
         float4 xa[B] = {}, xb[B] = {};
@@ -331,6 +333,7 @@ template <bool kWg>
 __device__ __forceinline__ void tile_dot(const bf16 *lo, const bf16 *hi, uint32_t in_addr, int ka, int kb, float c[4]) {
     int k = ka;
     uint4 wl[kStepsInFlight], wh[kStepsInFlight];
+#pragma unroll 1
     for (; k + 32 * kStepsInFlight <= kb; k += 32 * kStepsInFlight) {
 #pragma unroll
         for (int i = 0; i < kStepsInFlight; i++) {
@@ -344,6 +347,7 @@ __device__ __forceinline__ void tile_dot(const bf16 *lo, const bf16 *hi, uint32_
             for (int i = 0; i < kStepsInFlight; i++) mma_k32(c, wl[i], wh[i], load_in_k32(in_addr, k + 32 * i));
         }
     }
+#pragma unroll 1
     for (; k < kb; k += 32) {
         const uint4 l = load_weight(lo + k), h = load_weight(hi + k);
         if (kWg) wgmma_steps<1>(c, &l, &h, in_desc(in_addr, k));
@@ -378,6 +382,7 @@ __device__ __forceinline__ void warpgroup_dot(const Dot &dot, const bf16 *lo, co
 // 32-wide step per piece.
 __device__ __forceinline__ int k_parts(int units, int tiles_per_unit, int workers, int steps) {
     int best = 1, best_rounds = (units + workers - 1) / workers;  // share = rounds / parts
+#pragma unroll 1
     for (int ks = 2; ks <= kWarps && ks <= steps && units * tiles_per_unit * ks <= kMaxGemvItems; ks++) {
         const int rounds = (units * ks + workers - 1) / workers;
         if (rounds * best < best_rounds * ks) best = ks, best_rounds = rounds;
@@ -398,6 +403,7 @@ __device__ __forceinline__ void gemv(Row row, int n_rows, const bf16 *in, int K,
     const int ks = wg ? k_parts(tiles / 4, 4, 2, steps) : k_parts(tiles, 1, kWarps, steps);
     const int units = (wg ? tiles / 4 : tiles) * ks, first = wg ? warp / 4 : warp, stride = wg ? 2 : kWarps;
     const uint32_t in_addr = smem_u32(in);
+#pragma unroll 1
     for (int u = first; u < units; u += stride) {
         const int tile = wg ? u / ks * 4 + warp % 4 : u / ks, part = u % ks, item = tile * ks + part, r = tile * 16 + g;
         const bf16 *lo = row(min(r, n_rows - 1)) + 8 * t, *hi = row(min(r + 8, n_rows - 1)) + 8 * t;
@@ -411,9 +417,11 @@ __device__ __forceinline__ void gemv(Row row, int n_rows, const bf16 *in, int K,
     }
     __syncthreads();
     if (ks > 1) {
+#pragma unroll 1
         for (int i = threadIdx.x; i < tiles * 128; i += kThreads) {
             const int tile = i / 128, e = i % 128;
             float s = 0.f;
+#pragma unroll 1
             for (int part = 0; part < ks; part++) s += red[(tile * ks + part) * 128 + e];
             out[i] = s;
         }

@@ -58,6 +58,7 @@ static_assert(kMaxGroup * kHeadDim % kThreads == 0, "merge_splits gives each thr
 __device__ inline void merge_splits(const Params &p, AttnSmem &s, int b, int kvh, int splits) {
     const int G = p.num_heads / p.num_kv_heads, split_stride = G * kPartStride;
     const float *parts = part_of(p, b, kvh, 0, 0);
+#pragma unroll 1
     for (int i = threadIdx.x; i < splits * G; i += kThreads) {
         const float *part = parts + i / G * split_stride + i % G * kPartStride;
         s.split_w[i / G][i % G] = load_l2(part + kHeadDim);
@@ -83,6 +84,7 @@ __device__ inline void merge_splits(const Params &p, AttnSmem &s, int b, int kvh
     // Each thread's outputs (g, d), the partials of kBatch splits at a time in flight.
     constexpr int kOuts = kMaxGroup * kHeadDim / kThreads, kBatch = 16;
     float num[kOuts] = {};
+#pragma unroll 1
     for (int z0 = 0; z0 < splits; z0 += kBatch) {
         float v[kOuts][kBatch];
 #pragma unroll
@@ -184,6 +186,7 @@ __device__ inline void run_attention(const Params &p, int layer, int b, int kvh,
     for (int q = 0; q < kHeadDim / 32; q++)
         v_lane[q] = smem_u32(ring) + kSlabBytes + slab_offset(kChunk * warp + (lane & 7), 4 * q + (lane >> 3));
 
+#pragma unroll 1
     for (int i = 0; i < np; i++) {
         const int slot = i % kAttnSlots, kc = (pg0 + i) * kPage + kChunk * warp;
         mbar_wait(&s.full[slot], (i / kAttnSlots) & 1);
