@@ -23,6 +23,10 @@ constexpr int kSmemBytes = 130 * 1024;
 static_assert(kHeadDim == 128 && kThreads == 256, "the attention and GEMV tiles assume these");
 static_assert(NMK_MK_MAX_BATCH == 8, "GEMV inputs are the n = 8 columns of m16n8k16 tensor-core tiles");
 
+// Loops that run once per task or once per weight burst carry `#pragma unroll 1`: every SM
+// runs every opcode's code in turn, so the kernel's size is its instruction cache's load (at
+// batch 8 its SASS went from 590 to 415 KB and the step got 3% faster; benchmarks/NOTES.md).
+//
 // Register arrays that a task fills under a condition start zeroed: ptxas treats a register
 // read on a path that never wrote it as live from the kernel's entry, and in a persistent
 // kernel that holds it across every task of the step (uninitialized load buffers in attention

@@ -21,15 +21,15 @@ constexpr int kChunk = 8;                  // keys a warp takes of a page: one n
 constexpr int kAttnSlots = 3;              // pages in flight per SM (96 KB)
 constexpr int kSlabBytes = kPage * kHeadDim * sizeof(bf16);  // a kv head's keys (or values) of a page
 constexpr int kBoxBytes = kSlabBytes / 2;                     // its dims [0, 64) or [64, 128): 128 bytes a key
+constexpr int kAttnRingBytes = kAttnSlots * 2 * kSlabBytes;   // at smem offset 0
+constexpr int kListedPages = 128;          // page numbers a split reads up front; later ones from the table
+static_assert(kChunk * kWarps == kPage, "the warps split a page's keys");
 
 // Byte offset in a slab of key `key`'s 16-byte chunk of dims [8c, 8c + 8): box c / 8, row key,
 // chunk c % 8 swizzled by the row (the ring's slots are 1024-byte aligned).
 __device__ __forceinline__ uint32_t slab_offset(int key, int c) {
     return (c >> 3) * kBoxBytes + key * 128 + (((c & 7) ^ (key & 7)) << 4);
 }
-constexpr int kAttnRingBytes = kAttnSlots * 2 * kSlabBytes;   // at smem offset 0
-constexpr int kListedPages = 128;          // page numbers a split reads up front; later ones from the table
-static_assert(kChunk * kWarps == kPage, "the warps split a page's keys");
 
 __device__ __forceinline__ float *part_of(const Params &p, int b, int kvh, int split, int g) {
     int group = p.num_heads / p.num_kv_heads;

@@ -22,7 +22,7 @@ __device__ void run_lm_head(const Params &p, int tile, char *smem) {
     const int b = threadIdx.x % B, stride = kThreads - kThreads % B;
     float bv = -INFINITY;
     int bi = p.vocab;
-    #pragma unroll 1
+#pragma unroll 1
     for (int i = threadIdx.x; threadIdx.x < stride && i < n * B; i += stride) {
         const int r = i / B;
         const float logit = round_bf16(s.out[r * 8 + b]) * p.logit_scale;

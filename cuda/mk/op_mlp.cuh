@@ -37,7 +37,7 @@ __device__ void run_gate_up(const Params &p, int layer, int tile, int y, char *s
             p.slot_k[y * B + b] = e < 0 ? -1 : r.k_of[b][e];
         }
         if (tile == 0 && y == 0)  // every (row, expert) pair by its own thread
-            #pragma unroll 1
+#pragma unroll 1
             for (int i = threadIdx.x; i < B * p.num_experts; i += kThreads) {
                 const int b = i / p.num_experts, f = i % p.num_experts, k = r.k_of[b][f];
                 if (k < 0) continue;
@@ -52,7 +52,7 @@ __device__ void run_gate_up(const Params &p, int layer, int tile, int y, char *s
     const bf16 *gate = w.gate_up + (size_t)c0 * H, *up = w.gate_up + (size_t)(w.inter + c0) * H;
     gemv([&](int r) { return r < n ? gate + (size_t)r * H : up + (size_t)(r - n) * H; }, 2 * n, s.in, H, s.out, s.red);
     bf16 *act = p.act + (size_t)y * NMK_MK_MAX_BATCH * act_stride(p);
-    #pragma unroll 1
+#pragma unroll 1
     for (int i = threadIdx.x; i < n * B; i += kThreads) {
         const int c = i / B, b = i % B;
         const float g = round_bf16(s.out[c * 8 + b]), silu = round_bf16(g / (1.f + expf(-g)));
@@ -75,7 +75,7 @@ __device__ void run_down(const Params &p, int layer, int tile, int y, char *smem
     __syncthreads();
     const bf16 *W = w.down + (size_t)r0 * w.inter;
     gemv([&](int r) { return W + (size_t)r * w.inter; }, n, s.in, w.inter, s.out, s.red);
-    #pragma unroll 1
+#pragma unroll 1
     for (int i = threadIdx.x; i < n * B; i += kThreads) {
         const int r = i / B, b = i % B;
         if (ks[b] >= 0) p.mlp[((size_t)b * p.top_k + ks[b]) * p.hidden + r0 + r] = round_bf16(s.out[r * 8 + b]);

@@ -14,7 +14,7 @@ __device__ void run_oproj(const Params &p, int layer, int tile, char *smem) {
     __syncthreads();
     const bf16 *W = p.layers[layer].o + (size_t)r0 * Q;
     gemv([&](int r) { return W + (size_t)r * Q; }, n, s.in, Q, s.out, s.red);
-    #pragma unroll 1
+#pragma unroll 1
     for (int i = threadIdx.x; i < n * B; i += kThreads)
         p.o[(size_t)(i % B) * p.hidden + r0 + i / B] = round_bf16(s.out[(i / B) * 8 + i % B]);
 }

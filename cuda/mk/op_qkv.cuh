@@ -16,7 +16,7 @@ __device__ void run_qkv(const Params &p, int layer, int tile, char *smem) {
     const bf16 *W = L.qkv + (size_t)r0 * H;
     gemv([&](int r) { return W + (size_t)r * H; }, n, s.in, H, s.out, s.red);
     // One thread per (row b, pair of adjacent outputs); r0 and rows are even.
-    #pragma unroll 1
+#pragma unroll 1
     for (int i = threadIdx.x; i < B * n / 2; i += kThreads) {
         int b = i / (n / 2), r = r0 + 2 * (i % (n / 2));
         float v0 = round_bf16(s.out[(r - r0) * 8 + b]), v1 = round_bf16(s.out[(r - r0 + 1) * 8 + b]);

@@ -18,7 +18,7 @@ __device__ void run_router(const Params &p, int layer, int tile, char *smem) {
     stage_normed<B>(smem, p, p.layers[layer].norm, layer);
     const bf16 *W = p.layers[layer].router + (size_t)r0 * H;
     gemv([&](int r) { return W + (size_t)r * H; }, n, s.in, H, s.out, s.red);
-    #pragma unroll 1
+#pragma unroll 1
     for (int i = threadIdx.x; i < n * B; i += kThreads)
         p.router_logits[(i % B) * E + r0 + i / B] = round_bf16(s.out[(i / B) * 8 + i % B]);
 }
@@ -44,7 +44,7 @@ __device__ const Routing &route(const Params &p, int layer, char *smem) {
     if (k.routed == layer) return r;
     const int E = p.num_experts, K = p.top_k, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const unsigned below = (1u << lane) - 1;
-    #pragma unroll 1
+#pragma unroll 1
     for (int i = threadIdx.x; i < B * E; i += kThreads) r.logit[i / E][i % E] = load_l2(p.router_logits + i);
     __syncthreads();
     // Warp b picks row b's K experts: those that fewer than K experts beat (a larger logit, or
