@@ -6,6 +6,7 @@
     python -m northmk.bench plot RESULT.json [MORE.json ...] [--out PNG]
     python -m northmk.bench critical TASK_TIMES.npy [--batch B --context C] [--sms 132] [--layer L]
     python -m northmk.bench simulate TASK_TIMES.npy [--batch B --context C] [--sms 132] [--hop-us H --turn-us T]
+    python -m northmk.bench switches TASK_TIMES.npy [--min-us 1.5]
 
 `decode` times the megakernel's decode step at full North Mini Code geometry (random weights,
 KV noise at --context) and then, on the same weights, Hugging Face transformers'
@@ -20,7 +21,8 @@ joins the rows of several files (e.g. a --no-peer and a --peer-only run of one s
 writes) back along the chain of tasks that set its length (northmk.bench_critical);
 `simulate` replays that step's schedule in time from its tasks' measured run times
 (northmk.bench_simulate) and says how long it comes out, with and without the gaps between
-tasks.
+tasks. `switches` compares, per opcode, the run of its tasks that follow a task of their own
+opcode on their SM with those that follow another (northmk.bench_critical.opcode_switches).
 """
 
 from __future__ import annotations
@@ -430,6 +432,15 @@ def simulate(args) -> str:
             f"{span(none):.1f} us without gaps")
 
 
+def switches(args) -> str:
+    """The report of `switches` (northmk.bench_critical.opcode_switches)."""
+    from .bench_critical import opcode_switches, switches_report
+
+    if args.min_us < 0:
+        raise ValueError("--min-us must be >= 0")
+    return f"{args.times}\n" + switches_report(opcode_switches(np.load(args.times), args.min_us))
+
+
 # ---- command line -----------------------------------------------------------------------
 
 class OneLineParser(argparse.ArgumentParser):
@@ -477,6 +488,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     m = step_parser(sub, "simulate", "replay a profiled step's schedule from its tasks' run times")
     m.add_argument("--hop-us", type=float, default=0.5, help="a counter complete -> its waiter running")
     m.add_argument("--turn-us", type=float, default=0.7, help="an SM's task ended -> its next running")
+    w = sub.add_parser("switches", help="per opcode, a task's run after its own opcode and after another")
+    w.add_argument("times", help="task-times-b{B}-c{C}.npy from a decode run")
+    w.add_argument("--min-us", type=float, default=0.0,
+                   help="leave out of the means tasks that ran shorter (an unused expert slot's)")
     args = parser.parse_args(argv)
     problem = check_decode(args) if args.what == "decode" else None
     if problem:
@@ -521,6 +536,8 @@ def main(argv: list[str] | None = None) -> int:
             print(critical(args))
         elif args.what == "simulate":
             print(simulate(args))
+        elif args.what == "switches":
+            print(switches(args))
         elif args.what == "record":
             record(load_result(Path(args.result)), Path(args.result), Path(args.notes))
         else:

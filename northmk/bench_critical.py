@@ -12,6 +12,9 @@ length, as links of three kinds:
     run    a task running (its start to its end stamp, which follows its signal)
     hop    its counter complete -> the waiting task running (the poll, the barrier after it)
     turn   its SM's previous task ended -> this one running (claim, descriptor, barriers)
+
+The same times also say what a change of opcode costs a task (opcode_switches, `python -m
+northmk.bench switches`): its run after a task of its own opcode on its SM against after another.
 """
 
 from __future__ import annotations
@@ -152,3 +155,42 @@ def check_times(times: np.ndarray, schedule) -> tuple[np.ndarray, ...]:
 def critical_path_of_run(times: np.ndarray, schedule) -> list[Link]:
     """critical_path of a step's task times and the Schedule it ran (check_times first)."""
     return critical_path(*check_times(times, schedule))
+
+
+def opcode_switches(times: np.ndarray, min_run_us: float = 0.0) -> dict[str, dict]:
+    """Per opcode, its tasks' mean run (us) after a task of the same opcode on their SM
+    ("same") and after another opcode or as the SM's first task ("switch"), with their counts:
+    what changing opcode costs a task (its code cold in the instruction cache, its input staged
+    again, the layer's routing computed). Tasks that ran under min_run_us (an unused expert
+    slot's returns at once) are left out of the means but still count as an SM's previous task."""
+    times = np.asarray(times, dtype=np.int64)
+    if times.ndim != 2 or times.shape[1] != 4:
+        raise ValueError(f"times must be [N, 4]; got {times.shape}")
+    began, start, end = times[:, 0], times[:, 1], times[:, 2]
+    op, sm = times[:, 3] & 0xFF, (times[:, 3] >> 16) & 0xFFFF
+    run_us = (end - start) / 1e3
+    after_same = np.zeros(len(times), dtype=bool)
+    for s in np.unique(sm):
+        mine = np.flatnonzero(sm == s)
+        order = mine[np.argsort(began[mine], kind="stable")]
+        after_same[order[1:]] = op[order[1:]] == op[order[:-1]]
+    out = {}
+    for code in sorted(np.unique(op)):
+        kept = (op == code) & (run_us >= min_run_us)
+        row = {}
+        for name, which in (("same", kept & after_same), ("switch", kept & ~after_same)):
+            row[name] = {"count": int(which.sum()), "mean_us": float(run_us[which].mean()) if which.any() else None}
+        out[Opcode(int(code)).name] = row
+    return out
+
+
+def switches_report(switches: dict[str, dict]) -> str:
+    """opcode_switches as a table: per opcode the two means, their counts and the difference."""
+    fmt = lambda r: "        -" if r["mean_us"] is None else f"{r['mean_us']:9.2f}"  # noqa: E731
+    out = ["run us of an opcode's tasks after its own opcode on their SM / after another (tasks):"]
+    for name, row in switches.items():
+        same, switch = row["same"], row["switch"]
+        cost = (f"{switch['mean_us'] - same['mean_us']:+8.2f}" if same["mean_us"] is not None
+                and switch["mean_us"] is not None else "")
+        out.append(f"  {name:>10} {fmt(same)} ({same['count']:5d}) {fmt(switch)} ({switch['count']:5d}) {cost}".rstrip())
+    return "\n".join(out)

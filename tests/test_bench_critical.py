@@ -10,7 +10,7 @@ import pytest
 
 from northmk import bench
 from northmk.bench_critical import (HOP, START, TURN, context_bucket, critical_path, critical_path_of_run,
-                                    report, summarize)
+                                    opcode_switches, report, summarize, switches_report)
 from northmk.bench_simulate import replay_runs, simulate
 from northmk.megakernel import Opcode, Schedule
 from northmk.megakernel_interpreter import execution_order
@@ -127,6 +127,37 @@ def test_critical_command_reads_the_batch_and_context_from_the_file_name(tmp_pat
     np.save(other, timed_step(schedule))
     assert bench.main(["critical", str(other), "--sms", "4", "--geometry", "mk-small"]) == 2
     assert "give --batch and --context" in capsys.readouterr().err
+
+
+def test_opcode_switches_split_each_opcodes_runs_by_the_sms_previous_task(tmp_path, capsys):
+    # SM 0: GATE_UP 5 us, GATE_UP 3 us, DOWN 4 us; SM 1 (its list in another order in the
+    # array): DOWN 6 us, DOWN 2 us, then an unused slot's GATE_UP of 0.5 us and DOWN 1 us.
+    times = np.array([
+        record(Opcode.DOWN, 1, 20_000, 20_000, 22_000),
+        record(Opcode.GATE_UP, 0, 0, 0, 5_000),
+        record(Opcode.GATE_UP, 0, 5_000, 5_000, 8_000),
+        record(Opcode.DOWN, 0, 8_000, 8_000, 12_000),
+        record(Opcode.DOWN, 1, 0, 10_000, 16_000),
+        record(Opcode.GATE_UP, 1, 22_000, 22_000, 22_500),
+        record(Opcode.DOWN, 1, 22_500, 22_500, 23_500),
+    ])
+    s = opcode_switches(times)
+    assert s["GATE_UP"] == {"same": {"count": 1, "mean_us": 3.0}, "switch": {"count": 2, "mean_us": 2.75}}
+    assert s["DOWN"] == {"same": {"count": 1, "mean_us": 2.0}, "switch": {"count": 3, "mean_us": 11 / 3}}
+    # the 0.5 us task leaves the means but still makes the next DOWN a switch
+    s = opcode_switches(times, min_run_us=0.6)
+    assert s["GATE_UP"] == {"same": {"count": 1, "mean_us": 3.0}, "switch": {"count": 1, "mean_us": 5.0}}
+    assert s["DOWN"]["switch"] == {"count": 3, "mean_us": 11 / 3}
+    assert "GATE_UP      3.00 (    1)      5.00 (    1)    +2.00" in switches_report(s)
+    with pytest.raises(ValueError, match=r"\[N, 4\]"):
+        opcode_switches(times[:, :3])
+    path = tmp_path / "task-times-b1-c64.npy"
+    np.save(path, times)
+    assert bench.main(["switches", str(path), "--min-us", "0.6"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"{path}\n") and "+2.00" in out
+    assert bench.main(["switches", str(path), "--min-us", "-1"]) == 2
+    assert capsys.readouterr().err.strip() == "python -m northmk.bench switches: error: --min-us must be >= 0"
 
 
 # ---- the timed replay ----------------------------------------------------------------------
