@@ -6,6 +6,7 @@
     python -m northmk.bench plot RESULT.json [MORE.json ...] [--out PNG]
     python -m northmk.bench critical TASK_TIMES.npy [--batch B --context C] [--sms 132] [--layer L]
     python -m northmk.bench simulate TASK_TIMES.npy [--batch B --context C] [--sms 132] [--hop-us H --turn-us T]
+    python -m northmk.bench timeline TASK_TIMES.npy [--batch B --context C] [--sms 132] [--bin-us 5] [--layer L]
     python -m northmk.bench switches TASK_TIMES.npy [--min-us 1.5]
 
 `decode` times the megakernel's decode step at full North Mini Code geometry (random weights,
@@ -21,7 +22,9 @@ joins the rows of several files (e.g. a --no-peer and a --peer-only run of one s
 writes) back along the chain of tasks that set its length (northmk.bench_critical);
 `simulate` replays that step's schedule in time from its tasks' measured run times
 (northmk.bench_simulate) and says how long it comes out, with and without the gaps between
-tasks. `switches` compares, per opcode, the run of its tasks that follow a task of their own
+tasks. `timeline` spreads each task's bytes (weights, KV pages) over its run: the bandwidth
+the step asked of DRAM in each bin, and per opcode the SMs that ran (northmk.bench_timeline).
+`switches` compares, per opcode, the run of its tasks that follow a task of their own
 opcode on their SM with those that follow another (northmk.bench_critical.opcode_switches).
 """
 
@@ -390,6 +393,12 @@ def load_result(path: Path) -> dict:
 def profiled_step(args) -> tuple[np.ndarray, object, str]:
     """The task times named on the command line, the schedule the kernel built for that step
     (batch and context from the options or the file's name) and a line that says which."""
+    times, schedule, which, _, _ = profiled_run(args)
+    return times, schedule, which
+
+
+def profiled_run(args) -> tuple[np.ndarray, object, str, ModelConfig, int]:
+    """profiled_step's times, schedule and line, and the geometry and context of the step."""
     from .bench_critical import context_bucket
     from .megakernel import Schedule
 
@@ -402,8 +411,10 @@ def profiled_step(args) -> tuple[np.ndarray, object, str]:
         raise ValueError("give --batch and --context (the file's name does not say them)")
     if not 1 <= batch <= MAX_BATCH or context < 1 or args.sms < 1:
         raise ValueError(f"need 1 <= --batch <= {MAX_BATCH}, --context >= 1, --sms >= 1")
-    schedule = Schedule(geometry(args.geometry), args.sms, [context_bucket(context)] * batch)
-    return np.load(args.times), schedule, f"{args.times}: batch {batch}, context {context}, {args.sms} SMs"
+    config = geometry(args.geometry)
+    schedule = Schedule(config, args.sms, [context_bucket(context)] * batch)
+    return (np.load(args.times), schedule, f"{args.times}: batch {batch}, context {context}, {args.sms} SMs", config,
+            context)
 
 
 def critical(args) -> str:
@@ -430,6 +441,18 @@ def simulate(args) -> str:
     return (f"{which}\n  measured {span(times):.1f} us; replayed from the measured run times "
             f"{span(gaps):.1f} us with {args.hop_us:g} us hops and {args.turn_us:g} us turns, "
             f"{span(none):.1f} us without gaps")
+
+
+def timeline(args) -> str:
+    """The report of `timeline` (northmk.bench_timeline)."""
+    from .bench_critical import check_times
+    from .bench_timeline import report as timeline_report
+
+    times, schedule, which, config, context = profiled_run(args)
+    if args.bin_us <= 0 or args.min_us < 0:
+        raise ValueError("--bin-us must be > 0 and --min-us >= 0")
+    times = check_times(times, schedule)[0]
+    return which + "\n" + timeline_report(config, schedule, context, times, args.bin_us, args.layer, args.min_us)
 
 
 def switches(args) -> str:
@@ -488,6 +511,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     m = step_parser(sub, "simulate", "replay a profiled step's schedule from its tasks' run times")
     m.add_argument("--hop-us", type=float, default=0.5, help="a counter complete -> its waiter running")
     m.add_argument("--turn-us", type=float, default=0.7, help="an SM's task ended -> its next running")
+    t = step_parser(sub, "timeline", "the bandwidth a profiled step asked of DRAM over time, and who ran")
+    t.add_argument("--bin-us", type=float, default=5.0, help="width of a bin of time")
+    t.add_argument("--layer", type=int, help="the layer whose bins to list (default: the middle one)")
+    t.add_argument("--min-us", type=float, default=1.5,
+                   help="routed expert tasks that ran shorter read nothing (an unused slot's)")
     w = sub.add_parser("switches", help="per opcode, a task's run after its own opcode and after another")
     w.add_argument("times", help="task-times-b{B}-c{C}.npy from a decode run")
     w.add_argument("--min-us", type=float, default=0.0,
@@ -536,6 +564,8 @@ def main(argv: list[str] | None = None) -> int:
             print(critical(args))
         elif args.what == "simulate":
             print(simulate(args))
+        elif args.what == "timeline":
+            print(timeline(args))
         elif args.what == "switches":
             print(switches(args))
         elif args.what == "record":
