@@ -40,6 +40,17 @@ class Link:
     after: int | None  # the task it waited for (the counter's completing signaller, or the SM's previous)
 
 
+def previous_on_sm(began: np.ndarray, sm: np.ndarray) -> np.ndarray:
+    """For each task, the row of the task its SM ran before it (by when each began waiting),
+    -1 for an SM's first."""
+    previous = np.full(len(began), -1, dtype=np.int64)
+    for s in np.unique(sm):
+        mine = np.flatnonzero(sm == s)
+        order = mine[np.argsort(began[mine], kind="stable")]
+        previous[order[1:]] = order[:-1]
+    return previous
+
+
 def critical_path(times: np.ndarray, wait: np.ndarray, target: np.ndarray, signal: np.ndarray) -> list[Link]:
     """The chain that ended last, first link first. times [N, 4] as the bench saves them; wait,
     target, signal [N] the tasks' counter fields (wait -1: none; signal -1: none)."""
@@ -55,12 +66,7 @@ def critical_path(times: np.ndarray, wait: np.ndarray, target: np.ndarray, signa
     for i in np.flatnonzero(signal >= 0):
         signallers[int(signal[i])].append(int(i))
     by_end = {c: sorted(ts, key=lambda i: end[i]) for c, ts in signallers.items()}
-    previous: dict[int, int | None] = {}
-    for s in np.unique(sm):
-        mine = np.flatnonzero(sm == s)
-        order = mine[np.argsort(began[mine], kind="stable")]
-        for k, i in enumerate(order):
-            previous[int(i)] = int(order[k - 1]) if k else None
+    previous = [int(j) if j >= 0 else None for j in previous_on_sm(began, sm)]
 
     def completer(i: int) -> int | None:
         """The signaller whose end brought task i's counter to its target."""
@@ -169,11 +175,8 @@ def opcode_switches(times: np.ndarray, min_run_us: float = 0.0) -> dict[str, dic
     began, start, end = times[:, 0], times[:, 1], times[:, 2]
     op, sm = times[:, 3] & 0xFF, (times[:, 3] >> 16) & 0xFFFF
     run_us = (end - start) / 1e3
-    after_same = np.zeros(len(times), dtype=bool)
-    for s in np.unique(sm):
-        mine = np.flatnonzero(sm == s)
-        order = mine[np.argsort(began[mine], kind="stable")]
-        after_same[order[1:]] = op[order[1:]] == op[order[:-1]]
+    previous = previous_on_sm(began, sm)
+    after_same = (previous >= 0) & (op[np.maximum(previous, 0)] == op)
     out = {}
     for code in sorted(np.unique(op)):
         kept = (op == code) & (run_us >= min_run_us)

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .config import DENSE, PAGE_SIZE, SLIDING, ModelConfig
+from .config import DENSE, PAGE_SIZE, ModelConfig
 from .megakernel import Opcode
+from .megakernel_interpreter import split_keys
 
 BF16 = 2
 BANDS_TBPS = (0.0, 1.0, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5, float("inf"))
@@ -22,12 +23,8 @@ SHOWN = (Opcode.QKV, Opcode.ATTN, Opcode.OPROJ, Opcode.GATE_UP, Opcode.DOWN)
 
 
 def split_pages(config: ModelConfig, layer: int, position: int, split: int, splits: int) -> int:
-    """Pages one attention split reads for a row at `position` (cuda/mk/op_attention.cuh's cut)."""
-    lo = max(0, position - config.sliding_window + 1) if config.layer_types[layer] == SLIDING else 0
-    first_page = lo // PAGE_SIZE
-    pages = position // PAGE_SIZE - first_page + 1
-    key0 = max(lo, (first_page + split * pages // splits) * PAGE_SIZE)
-    key1 = min(position + 1, (first_page + (split + 1) * pages // splits) * PAGE_SIZE)
+    """Pages one attention split reads for a row at `position` (the interpreter's split_keys)."""
+    key0, key1 = split_keys(config, layer, position, split, splits)
     return (key1 - 1) // PAGE_SIZE - key0 // PAGE_SIZE + 1 if key1 > key0 else 0
 
 

@@ -48,6 +48,17 @@ def expert_slots(experts: torch.Tensor, num_slots: int) -> tuple[list[int], list
     return slot_expert, [[row.index(e) if e in row else -1 for row in rows] for e in slot_expert]
 
 
+def split_keys(c: ModelConfig, layer: int, pos: int, split: int, splits: int) -> tuple[int, int]:
+    """Keys [key0, key1) that attention split `split` of `splits` reads for a row at pos
+    (cuda/mk/op_attention.cuh's cut of the live pages; empty when key1 <= key0)."""
+    lo = max(0, pos - c.sliding_window + 1) if c.layer_types[layer] == SLIDING else 0
+    first = lo // PAGE_SIZE
+    pages = pos // PAGE_SIZE - first + 1
+    key0 = max(lo, (first + split * pages // splits) * PAGE_SIZE)
+    key1 = min(pos + 1, (first + (split + 1) * pages // splits) * PAGE_SIZE)
+    return key0, key1
+
+
 class _Step:
     """Buffers of one step (fp32 unless the kernel keeps them in bf16, where they are rounded)."""
 
@@ -127,18 +138,9 @@ class _Step:
                 head, dim = col // c.head_dim, col % c.head_dim
                 pages[page, kv, head, pos % PAGE_SIZE, dim:dim + 2] = torch.stack((v0, v1)).to(pages.dtype)
 
-    def key_range(self, layer: int, b: int, split: int, splits: int) -> tuple[int, int]:
-        c, pos = self.c, self.positions[b]
-        lo = max(0, pos - c.sliding_window + 1) if c.layer_types[layer] == SLIDING else 0
-        first = lo // PAGE_SIZE
-        pages = pos // PAGE_SIZE - first + 1
-        key0 = max(lo, (first + split * pages // splits) * PAGE_SIZE)
-        key1 = min(pos + 1, (first + (split + 1) * pages // splits) * PAGE_SIZE)
-        return key0, key1
-
     def attention(self, layer: int, b: int, kvh: int, split: int, splits: int) -> None:
         c, G = self.c, self.c.gqa_group
-        key0, key1 = self.key_range(layer, b, split, splits)
+        key0, key1 = split_keys(c, layer, self.positions[b], split, splits)
         q = self.q[b].view(c.num_heads, c.head_dim)[kvh * G:(kvh + 1) * G] * c.head_dim ** -0.5  # [G, D]
         if key1 <= key0:
             self.part[b, kvh, split] = (torch.zeros(G, c.head_dim), torch.full((G,), -torch.inf), torch.zeros(G))
