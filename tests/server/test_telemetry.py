@@ -9,6 +9,7 @@ import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 
 from northmk import telemetry
 from northmk.server.state import TRACING
@@ -68,7 +69,7 @@ def exporter():
 
 @pytest.fixture
 async def traced_client(make_client, exporter):
-    provider = TracerProvider(shutdown_on_exit=False)
+    provider = TracerProvider(sampler=ALWAYS_ON, shutdown_on_exit=False)  # root spans too, whatever the environment
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     return await make_client(tracing=Tracing(provider))
 
