@@ -85,8 +85,7 @@ class AsyncEngine:
         deadline = time.monotonic() + drain_timeout
         while s.requests and time.monotonic() < deadline and s.dead is None:
             await asyncio.sleep(0.01)
-        for rid in list(s.requests):
-            s.abort(rid)
+        s.end_all(EngineDead("the engine shut down before the request finished"))
         for _ in range(100):  # let the scheduler free the aborted rows
             if not s.rows and not s.by_kv or s.dead is not None:
                 break

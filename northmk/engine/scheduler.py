@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from .. import native
+from .. import native, telemetry
 from .config import EngineConfig
 from .gpu_sampling import DrawParams, GpuSampler, draw_params
 from .metrics import EngineMetrics
@@ -26,8 +26,12 @@ from .sampling import sample_rows
 from .sequence import RequestState, Sequence, SeqStatus
 from .types import EngineDead, TokenLogprob
 
+log = telemetry.get_logger("northmk.engine")
+
 
 class Scheduler:
+    close_park_timeout_s = 30.0  # close() destroys a loop that has not parked by then
+
     def __init__(self, config: EngineConfig, runner: TorchRunner, pool: native.KVPool,
                  metrics: EngineMetrics, eos_ids: tuple[int, ...], device_sampler: GpuSampler | None = None):
         self.config = config
@@ -121,18 +125,22 @@ class Scheduler:
         touched.add(seq.request)
 
     def _on_parked(self, status: native.Status) -> None:
-        self._loop_running = False
+        self._parked()  # a failed step's park too: close() and a prefill may wait on it
         if status == native.Status.ERR_NO_SPACE:
             self._loop_no_space = True
         elif status != native.Status.OK:
             cause = self.loop.step_error
             self.die(EngineDead(f"decode step failed: {self.loop.park_message} ({cause!r})"))
             return
+        self.wake.set()
+
+    def _parked(self) -> None:
+        """The loop is parked: release whoever awaits park()."""
+        self._loop_running = False
         for fut in self._park_waiters:
             if not fut.done():
                 fut.set_result(None)
         self._park_waiters.clear()
-        self.wake.set()
 
     # ---- park / resume --------------------------------------------------------------------
     async def park(self) -> None:
@@ -390,20 +398,36 @@ class Scheduler:
         self._retire_requests()
         self.wake.set()
 
+    def end_all(self, error: EngineDead) -> None:
+        """Abort every request; the iterators of those not done yet end with `error`."""
+        for rid, req in list(self.requests.items()):
+            if not req.done:
+                req.queue.put_nowait(error)
+            self.abort(rid)
+
     def die(self, exc: BaseException) -> None:
-        if self.dead is not None:
-            return
-        self.dead = exc if isinstance(exc, EngineDead) else EngineDead(f"engine failed: {exc!r}")
-        self.dead.__cause__ = exc if exc is not self.dead else None
-        for req in self.requests.values():
-            req.queue.put_nowait(self.dead)
+        if self.dead is None:
+            self.dead = exc if isinstance(exc, EngineDead) else EngineDead(f"engine failed: {exc!r}")
+            self.dead.__cause__ = exc if exc is not self.dead else None
+            for req in self.requests.values():
+                req.queue.put_nowait(self.dead)
+        # A failure between the loop's park and its handling (on_loop_fd) must not leave park()
+        # waiting for a signal already consumed.
+        if not self.loop.closed and self.loop.state == native.LoopState.PARKED:
+            self._parked()
         self.wake.set()
 
     async def close(self) -> None:
         """Stop the coroutine's work, park the loop and release the native loop and executor."""
+        if self.loop.closed:
+            return
         self.stopping = True
         self.wake.set()
-        await self.park()
+        try:
+            await asyncio.wait_for(self.park(), self.close_park_timeout_s)
+        except TimeoutError:  # destroying the loop below still waits for the step it is in
+            log.error("decode loop did not park at shutdown", timeout_s=self.close_park_timeout_s)
+            self._parked()
         asyncio.get_running_loop().remove_reader(self.fd)
         self.loop.close()
         self.executor.shutdown(wait=True)

@@ -99,6 +99,10 @@ class NativeHandle(abc.ABC):
         self.close()
 
     @property
+    def closed(self) -> bool:
+        return not self._handle
+
+    @property
     def handle(self) -> c_void_p:
         if not self._handle:
             raise ValueError(f"{type(self).__name__} is closed")

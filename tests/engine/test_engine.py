@@ -8,7 +8,7 @@ import pytest
 
 from northmk.checkpoint import load_checkpoint
 from northmk.engine import AsyncEngine, EngineConfig, EngineOverloaded, FinishReason, GenerationRequest, SamplingParams
-from northmk.engine.types import RequestRejected
+from northmk.engine.types import EngineDead, RequestRejected
 from northmk.generate import generate as reference_generate
 from northmk.model.reference import ReferenceModel
 
@@ -190,3 +190,86 @@ async def test_outputs_carry_when_the_request_left_the_queue_and_got_its_first_t
         assert start <= last.scheduled_time <= last.first_token_time
     # One row: the second request waits in the queue until the first has finished.
     assert second.scheduled_time > first.first_token_time
+
+
+async def test_a_failing_decode_step_ends_its_requests_and_the_engine_still_shuts_down(make_engine):
+    engine = await make_engine()
+    calls = 0
+    decode = engine.runner.decode
+
+    def failing_decode(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise RuntimeError("injected decode failure")
+        return decode(*args, **kwargs)
+
+    engine.runner.decode = failing_decode
+    with pytest.raises(EngineDead, match="injected decode failure"):
+        await asyncio.wait_for(collect(engine, PROMPTS[0], "doomed", max_tokens=20, ignore_eos=True), 30)
+    assert not engine.is_healthy and isinstance(engine.dead_error, EngineDead)
+    with pytest.raises(EngineDead):  # later requests are refused with the same error
+        await asyncio.wait_for(collect(engine, PROMPTS[2], "late", max_tokens=2), 30)
+    await asyncio.wait_for(engine.shutdown(), 30)
+
+
+async def test_a_park_awaited_when_the_step_fails_returns(make_engine):
+    engine = await make_engine()
+    scheduler = engine.scheduler
+    decode, started = engine.runner.decode, asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def failing_decode(*args, **kwargs):
+        loop.call_soon_threadsafe(started.set)
+        time.sleep(0.2)  # the park below is requested while this step runs
+        raise RuntimeError("injected decode failure")
+
+    engine.runner.decode = failing_decode
+    request = asyncio.create_task(collect(engine, PROMPTS[0], "doomed", max_tokens=20, ignore_eos=True))
+    await asyncio.wait_for(started.wait(), 30)
+    await asyncio.wait_for(scheduler.park(), 10)  # released by the failed step's park
+    with pytest.raises(EngineDead):
+        await asyncio.wait_for(request, 30)
+    engine.runner.decode = decode
+    await asyncio.wait_for(engine.shutdown(), 30)
+
+
+async def test_a_park_awaited_when_handling_the_loop_fails_returns(make_engine):
+    engine = await make_engine()
+    scheduler = engine.scheduler
+
+    def broken(*args):
+        raise AssertionError("injected broken invariant")
+
+    request = asyncio.create_task(collect(engine, PROMPTS[0], "doomed", max_tokens=200, ignore_eos=True))
+    while not scheduler.rows:
+        await asyncio.sleep(0.01)
+    scheduler._on_token = broken  # every drain of the loop's events fails from now on
+    await asyncio.wait_for(scheduler.park(), 10)
+    with pytest.raises(EngineDead, match="injected broken invariant"):
+        await asyncio.wait_for(request, 30)
+    await asyncio.wait_for(engine.shutdown(), 30)
+
+
+async def test_shutdown_ends_the_requests_still_running(make_engine):
+    engine = await make_engine()
+    request = asyncio.create_task(collect(engine, PROMPTS[0], "running", max_tokens=500, ignore_eos=True))
+    while not engine.scheduler.rows:
+        await asyncio.sleep(0.01)
+    await asyncio.wait_for(engine.shutdown(), 30)
+    with pytest.raises(EngineDead, match="shut down before the request finished"):
+        await asyncio.wait_for(request, 10)
+
+
+async def test_shutdown_ends_a_loop_that_never_parks(make_engine, monkeypatch):
+    engine = await make_engine()
+    scheduler = engine.scheduler
+    request = asyncio.create_task(collect(engine, PROMPTS[0], "running", max_tokens=500, ignore_eos=True))
+    while not scheduler.rows:
+        await asyncio.sleep(0.01)
+    monkeypatch.setattr(scheduler, "close_park_timeout_s", 0.5)
+    monkeypatch.setattr(scheduler.loop, "request_park", lambda: None)  # the park request is lost
+    await asyncio.wait_for(engine.shutdown(), 30)
+    assert scheduler.loop.closed
+    with pytest.raises(EngineDead, match="shut down before the request finished"):
+        await asyncio.wait_for(request, 10)
