@@ -398,19 +398,24 @@ class Scheduler:
         self._retire_requests()
         self.wake.set()
 
-    def end_all(self, error: EngineDead) -> None:
-        """Abort every request; the iterators of those not done yet end with `error`."""
-        for rid, req in list(self.requests.items()):
+    def _fail_unfinished(self, error: EngineDead) -> None:
+        """The iterators of requests whose final output is not queued yet end with `error`
+        (one whose final output is queued ends normally)."""
+        for req in self.requests.values():
             if not req.done:
                 req.queue.put_nowait(error)
+
+    def end_all(self, error: EngineDead) -> None:
+        """Abort every request; those not finished end with `error`."""
+        self._fail_unfinished(error)
+        for rid in list(self.requests):
             self.abort(rid)
 
     def die(self, exc: BaseException) -> None:
         if self.dead is None:
             self.dead = exc if isinstance(exc, EngineDead) else EngineDead(f"engine failed: {exc!r}")
             self.dead.__cause__ = exc if exc is not self.dead else None
-            for req in self.requests.values():
-                req.queue.put_nowait(self.dead)
+            self._fail_unfinished(self.dead)
         # A failure between the loop's park and its handling (on_loop_fd) must not leave park()
         # waiting for a signal already consumed.
         if not self.loop.closed and self.loop.state == native.LoopState.PARKED:

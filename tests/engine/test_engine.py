@@ -273,3 +273,18 @@ async def test_shutdown_ends_a_loop_that_never_parks(make_engine, monkeypatch):
     assert scheduler.loop.closed
     with pytest.raises(EngineDead, match="shut down before the request finished"):
         await asyncio.wait_for(request, 10)
+
+
+async def test_a_request_whose_final_output_is_queued_ends_normally_when_the_engine_dies(make_engine, monkeypatch):
+    engine = await make_engine()
+    scheduler = engine.scheduler
+    monkeypatch.setattr(scheduler, "_retire_requests", lambda: None)  # the finished request stays listed
+    outputs = engine.generate(GenerationRequest("done", list(PROMPTS[2]), SamplingParams(temperature=0.0, max_tokens=3)))
+    first = await outputs.__anext__()
+    req = scheduler.requests["done"]
+    while not req.done:  # its final output is queued, not read yet
+        await asyncio.sleep(0.01)
+    scheduler.die(RuntimeError("injected failure after the request finished"))
+    rest = [out async for out in outputs]
+    assert sum(len(c.token_ids) for out in [first, *rest] for c in out.outputs) == 3
+    assert (rest or [first])[-1].outputs[0].finished
