@@ -295,7 +295,9 @@ typedef struct nmk_token_event {
 } nmk_token_event;
 
 /* Consumes the fd notification, then moves up to cap entries, oldest first, to out;
- * *n receives the count. Re-signals the fd when entries remain. Any state. */
+ * *n receives the count. Re-signals the fd when entries remain, and after a park that
+ * nmk_loop_get_state has not reported yet (so a consumer that reads the state, then drains,
+ * never loses a park that came between the two). Any state. */
 NMK_API nmk_status nmk_loop_drain(nmk_loop *loop, nmk_token_event *out, size_t cap, size_t *n);
 
 typedef struct nmk_loop_row_params {

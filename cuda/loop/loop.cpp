@@ -76,6 +76,7 @@ void Loop::park_locked(nmk_status status, const std::string &message) {
     park_requested_ = false;
     park_status_ = status;
     park_message_ = message;
+    park_unreported_ = true;
     signal();
     cv_.notify_all();
 }
@@ -177,7 +178,10 @@ void Loop::publish() {
 
 void Loop::state(nmk_loop_state *state, nmk_status *park_status) {
     std::lock_guard<std::mutex> lock(mu_);
-    if (state) *state = state_;
+    if (state) {
+        *state = state_;
+        if (state_ == NMK_LOOP_PARKED) park_unreported_ = false;
+    }
     if (park_status) *park_status = park_status_;
 }
 
@@ -213,6 +217,7 @@ void Loop::resume() {
     std::lock_guard<std::mutex> lock(mu_);
     check_parked();
     state_ = NMK_LOOP_RUNNING;
+    park_unreported_ = false;
     park_status_ = NMK_OK;
     park_message_.clear();
     cv_.notify_all();
@@ -224,7 +229,7 @@ size_t Loop::drain(nmk_token_event *out, size_t cap) {
     ssize_t ignored = read(fd_, &count, sizeof count);  // EAGAIN when nothing was signalled
     (void)ignored;
     size_t n = ring_.pop(out, cap);
-    if (ring_.size() > 0) signal();
+    if (ring_.size() > 0 || park_unreported_) signal();
     if (n > 0) cv_.notify_all();  // the loop may be waiting for ring room
     return n;
 }

@@ -82,6 +82,9 @@ private:
     std::condition_variable cv_;
     nmk_loop_state state_ = NMK_LOOP_PARKED;
     bool park_requested_ = false, stop_ = false;
+    // A park whose fd signal a drain may have consumed before the state was read: drain
+    // re-signals until state() has reported PARKED (or resume() ends the park).
+    bool park_unreported_ = false;
     nmk_status park_status_ = NMK_OK;
     std::string park_message_;
 

@@ -298,6 +298,36 @@ static void test_request_park_and_partial_drain(void) {
     nmk_kv_pool_destroy(pool);
 }
 
+/* A consumer reads the state (running), the loop parks, the consumer drains: the drain
+ * consumes the park's signal, so the fd must signal again until the state reports the park. */
+static void test_a_park_between_state_and_drain_still_signals(void) {
+    nmk_kv_pool *pool = make_pool(16);
+    stepper s = {0, -1, 0};
+    nmk_loop *loop = make_loop(pool, &s);
+    nmk_seq_id a = make_seq(pool, 1);
+    nmk_loop_row_params ra = row_params(0, a, 1, 4);
+    nmk_loop_state state;
+    nmk_status status;
+    nmk_token_event ev[MAX_EVENTS];
+    size_t n;
+    struct pollfd pfd = {0, POLLIN, 0};
+    pfd.fd = nmk_loop_fd(loop);
+
+    CHECK_OK(nmk_loop_add_row(loop, &ra));
+    CHECK_OK(nmk_loop_resume(loop));
+    CHECK_OK(nmk_loop_get_state(loop, &state, &status));
+    CHECK(state == NMK_LOOP_RUNNING);
+    CHECK_OK(nmk_loop_park(loop)); /* parks after the state was read */
+    do CHECK_OK(nmk_loop_drain(loop, ev, MAX_EVENTS, &n)); while (n > 0);
+    CHECK(poll(&pfd, 1, 0) == 1); /* the park is not reported yet: still signalled */
+    CHECK_OK(nmk_loop_get_state(loop, &state, &status));
+    CHECK(state == NMK_LOOP_PARKED && status == NMK_OK);
+    CHECK_OK(nmk_loop_drain(loop, ev, MAX_EVENTS, &n));
+    CHECK(n == 0 && poll(&pfd, 1, 0) == 0); /* reported: quiet while parked */
+    nmk_loop_destroy(loop);
+    nmk_kv_pool_destroy(pool);
+}
+
 static void test_destroy_while_running(void) {
     nmk_kv_pool *pool = make_pool(16);
     stepper s = {0, -1, 0};
@@ -321,6 +351,7 @@ int main(void) {
     test_no_space_parks_until_pages_return();
     test_min_tokens_and_max_seq_len();
     test_request_park_and_partial_drain();
+    test_a_park_between_state_and_drain_still_signals();
     test_destroy_while_running();
     puts("test_loop: ok");
     return 0;
