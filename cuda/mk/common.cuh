@@ -137,8 +137,10 @@ __device__ __forceinline__ void unpack8(uint4 v, float out[8]) {
 // n. That is the order in which a lane's 16 contiguous weight bytes per row meet the mma
 // fragments (gemv). Blocks are kInBlockBytes apart: 16 bytes of padding put a warp's staging
 // stores of 32 consecutive chunks into 32 banks. K % 32 == 0.
-constexpr int kInBlockBytes = 4 * 128 + 16;
-__host__ __device__ constexpr int in_bytes(int K) { return K / 32 * kInBlockBytes; }
+// Byte offset in a GEMV input of element k of batch row n (store_in_chunk's layout).
+__host__ __device__ constexpr int in_offset(int n, int k) {
+    return (k >> 5) * kInBlockBytes + n * 16 + ((k >> 3) & 3) * 4 + ((k & 7) >> 1) * 128 + (k & 1) * 2;
+}
 
 // Chunk c (k = 8c .. 8c + 7, the k pairs 4c .. 4c + 3) of batch row n.
 __device__ __forceinline__ void store_in_chunk(bf16 *in, int n, int c, uint4 v) {
@@ -168,6 +170,23 @@ __device__ __forceinline__ void stage_bf16(bf16 *dst, const bf16 *src, int rows,
         }
     }
     fence_proxy_async_shared();
+}
+
+// A GEMV input that its producers wrote in global memory in its shared-memory image (in_offset)
+// by one bulk copy of `bytes`; all threads wait for it. bar: 8 free bytes of the task's shared
+// memory. Ends with a barrier.
+__device__ __forceinline__ void stage_image(bf16 *dst, const bf16 *src, int bytes, uint64_t *bar) {
+    if (threadIdx.x == 0) {
+        mbar_init(bar, 1);
+        mbar_init_fence();
+        fence_proxy_async();  // the producers' stores (acquired by the task's wait) and this smem's last use
+        mbar_arrive_expect(bar, bytes);
+        bulk_load(dst, src, bytes, bar);
+    }
+    __syncthreads();  // the barrier's init
+    mbar_wait(bar, 0);
+    __syncthreads();  // every thread has seen it complete
+    if (threadIdx.x == 0) mbar_inval(bar);
 }
 
 // ---- shared memory a CTA keeps across its tasks of a step -----------------------------------

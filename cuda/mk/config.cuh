@@ -21,6 +21,9 @@ constexpr int kMaxK = 4096;         // widest GEMV input (q width, intermediate 
 constexpr int kMaxNormTiles = 128;  // hidden / norm_cols
 constexpr int kSmemBytes = 130 * 1024;
 static_assert(kHeadDim == 128 && kThreads == 256, "the attention and GEMV tiles assume these");
+// A GEMV input's 32-wide k blocks in shared memory (common.cuh, store_in_chunk), kInBlockBytes apart.
+constexpr int kInBlockBytes = 4 * 128 + 16;
+__host__ __device__ constexpr int in_bytes(int K) { return K / 32 * kInBlockBytes; }
 static_assert(NMK_MK_MAX_BATCH == 8, "GEMV inputs are the n = 8 columns of m16n8k16 tensor-core tiles");
 
 // Loops that run once per task or once per weight burst carry `#pragma unroll 1`: every SM
@@ -65,12 +68,12 @@ struct Params {
     uint32_t *attn_ticket; // [B, kv_heads] finished splits; the last one merges and rezeroes
     float *q;          // [B, Q] rotated queries
     float *part;       // [B, kv_heads, MAX_SPLITS, group, head_dim + 2]: acc, max, sum
-    bf16 *attn;        // [B, Q]
+    bf16 *attn;        // [B, Q] as o-proj's GEMV input in shared memory (in_bytes(Q), in_offset)
     float *o;          // [B, H]
     int32_t *slot_expert;  // [slots] expert of each mlp slot, -1 unused
     int32_t *slot_k;       // [slots, B] which of the row's top-k picked this slot, -1 none
     float *topk_weight;    // [B, top_k]
-    bf16 *act;             // [slots, B, max(I, D)]
+    bf16 *act;             // [slots] DOWN's GEMV input images, in_bytes(max(I, D)) each (op_mlp's act_image)
     float *mlp;            // [B, top_k, H] expert outputs (dense: k = 0)
     float *lm_best;        // [B, lm_tiles]
     int32_t *lm_best_index;

@@ -149,12 +149,15 @@ void alloc_scratch(nmk_mk &mk, const nmk_mk_geometry &g) {
     cuda_check(cudaMemset(p.attn_ticket, 0, B * g.num_kv_heads * sizeof(uint32_t)), "zero attention tickets");
     p.q = device_alloc<float>(B * Q, mk.owned);
     p.part = device_alloc<float>(B * g.num_kv_heads * NMK_MK_MAX_SPLITS * group * (g.head_dim + 2), mk.owned);
-    p.attn = device_alloc<bf16>(B * Q, mk.owned);
+    p.attn = device_alloc<bf16>(nmk::mk::in_bytes(static_cast<int>(Q)) / sizeof(bf16), mk.owned);
+    cuda_check(cudaMemset(p.attn, 0, nmk::mk::in_bytes(static_cast<int>(Q))), "zero attention output");
     p.o = device_alloc<float>(B * H, mk.owned);
     p.slot_expert = device_alloc<int32_t>(slots, mk.owned);
     p.slot_k = device_alloc<int32_t>(slots * B, mk.owned);
     p.topk_weight = device_alloc<float>(B * g.top_k, mk.owned);
-    p.act = device_alloc<bf16>(slots * B * std::max(g.moe_inter, g.dense_inter), mk.owned);
+    const size_t act_bytes = slots * nmk::mk::in_bytes(std::max(g.moe_inter, g.dense_inter));
+    p.act = device_alloc<bf16>(act_bytes / sizeof(bf16), mk.owned);
+    cuda_check(cudaMemset(p.act, 0, act_bytes), "zero activations");
     p.mlp = device_alloc<float>(B * g.top_k * H, mk.owned);
     p.lm_best = device_alloc<float>(B * (g.vocab / 8 + 1), mk.owned);
     p.lm_best_index = device_alloc<int32_t>(B * (g.vocab / 8 + 1), mk.owned);

@@ -107,8 +107,8 @@ __device__ inline void merge_splits(const Params &p, AttnSmem &s, int b, int kvh
 #pragma unroll
     for (int j = 0; j < kOuts; j++) {
         const int i = threadIdx.x + j * kThreads, g = i / kHeadDim, d = i % kHeadDim;
-        if (i < G * kHeadDim)
-            p.attn[(size_t)b * p.num_heads * kHeadDim + (kvh * G + g) * kHeadDim + d] =
+        if (i < G * kHeadDim)  // in o-proj's input image (in_offset), which it stages by one bulk copy
+            *reinterpret_cast<bf16 *>(reinterpret_cast<char *>(p.attn) + in_offset(b, (kvh * G + g) * kHeadDim + d)) =
                 __float2bfloat16(num[j] / s.den[g]);
     }
 }

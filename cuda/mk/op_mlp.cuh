@@ -17,7 +17,11 @@ __device__ __forceinline__ SlotWeights expert_weights(const Params &p, const Lay
     return {L.experts_gate_up + e * per, L.experts_down + e * per / 2, p.moe_inter};
 }
 
-__device__ __forceinline__ int act_stride(const Params &p) { return max(p.moe_inter, p.dense_inter); }
+// Slot y's activations, as DOWN's GEMV input image (in_offset): GATE_UP writes them there and
+// DOWN stages them by one bulk copy.
+__device__ __forceinline__ char *act_image(const Params &p, int y) {
+    return reinterpret_cast<char *>(p.act) + (size_t)y * in_bytes(max(p.moe_inter, p.dense_inter));
+}
 
 // Sparse layers: the task takes the layer's routing (route(), computed once per CTA); task
 // x = 0 of slot y publishes the slot's expert and rows for DOWN, and task (0, 0) the rows'
@@ -51,12 +55,13 @@ __device__ void run_gate_up(const Params &p, int layer, int tile, int y, char *s
     stage_normed<B>(smem, p, L.norm, layer);
     const bf16 *gate = w.gate_up + (size_t)c0 * H, *up = w.gate_up + (size_t)(w.inter + c0) * H;
     gemv([&](int r) { return r < n ? gate + (size_t)r * H : up + (size_t)(r - n) * H; }, 2 * n, s.in, H, s.out, s.red);
-    bf16 *act = p.act + (size_t)y * NMK_MK_MAX_BATCH * act_stride(p);
+    char *act = act_image(p, y);
 #pragma unroll 1
     for (int i = threadIdx.x; i < n * B; i += kThreads) {
         const int c = i / B, b = i % B;
         const float g = round_bf16(s.out[c * 8 + b]), silu = round_bf16(g / (1.f + expf(-g)));
-        act[b * act_stride(p) + c0 + c] = __float2bfloat16(silu * round_bf16(s.out[(n + c) * 8 + b]));
+        *reinterpret_cast<bf16 *>(act + in_offset(b, c0 + c)) =
+            __float2bfloat16(silu * round_bf16(s.out[(n + c) * 8 + b]));
     }
 }
 
@@ -70,9 +75,9 @@ __device__ void run_down(const Params &p, int layer, int tile, int y, char *smem
     const int r0 = tile * rows, n = min(rows, p.hidden - r0);
     GemvSmem s(smem, w.inter, rows);
     int *ks = reinterpret_cast<int *>(s.extra);
-    stage_bf16(s.in, p.act + (size_t)y * NMK_MK_MAX_BATCH * act_stride(p), B, w.inter, act_stride(p));
     if (threadIdx.x < B) ks[threadIdx.x] = L.dense ? 0 : load_l2(p.slot_k + y * B + threadIdx.x);
-    __syncthreads();
+    stage_image(s.in, reinterpret_cast<const bf16 *>(act_image(p, y)), in_bytes(w.inter),
+                reinterpret_cast<uint64_t *>(s.extra + 64));  // ends with a barrier: ks too
     const bf16 *W = w.down + (size_t)r0 * w.inter;
     gemv([&](int r) { return W + (size_t)r * w.inter; }, n, s.in, w.inter, s.out, s.red);
 #pragma unroll 1

@@ -10,8 +10,7 @@ __device__ void run_oproj(const Params &p, int layer, int tile, char *smem) {
     const int Q = p.num_heads * kHeadDim, rows = p.plan.oproj_rows;
     const int r0 = tile * rows, n = min(rows, p.hidden - r0);
     GemvSmem s(smem, Q, rows);
-    stage_bf16(s.in, p.attn, B, Q, Q);
-    __syncthreads();
+    stage_image(s.in, p.attn, in_bytes(Q), reinterpret_cast<uint64_t *>(s.extra));
     const bf16 *W = p.layers[layer].o + (size_t)r0 * Q;
     gemv([&](int r) { return W + (size_t)r * Q; }, n, s.in, Q, s.out, s.red);
 #pragma unroll 1
