@@ -172,9 +172,10 @@ __device__ __forceinline__ void stage_bf16(bf16 *dst, const bf16 *src, int rows,
     fence_proxy_async_shared();
 }
 
-// A GEMV input that its producers wrote in global memory in its shared-memory image (in_offset)
-// by one bulk copy of `bytes`; all threads wait for it. bar: 8 free bytes of the task's shared
-// memory. Ends with a barrier.
+// A GEMV input that its producers wrote in global memory in its shared-memory image (in_offset),
+// staged by one bulk copy of `bytes` that completes on `bar` (8 free bytes of the task's shared
+// memory): pass TileDot{bar} to gemv, whose warps wait for it only after their first weight
+// burst is in flight, then stage_image_end(bar) after gemv. Ends with a barrier (bar's init).
 __device__ __forceinline__ void stage_image(bf16 *dst, const bf16 *src, int bytes, uint64_t *bar) {
     if (threadIdx.x == 0) {
         mbar_init(bar, 1);
@@ -184,8 +185,11 @@ __device__ __forceinline__ void stage_image(bf16 *dst, const bf16 *src, int byte
         bulk_load(dst, src, bytes, bar);
     }
     __syncthreads();  // the barrier's init
-    mbar_wait(bar, 0);
-    __syncthreads();  // every thread has seen it complete
+}
+
+// After the gemv that read the image (its closing barrier: every warp that reads the input has
+// waited on bar, so the copy is complete).
+__device__ __forceinline__ void stage_image_end(uint64_t *bar) {
     if (threadIdx.x == 0) mbar_inval(bar);
 }
 
@@ -348,8 +352,11 @@ constexpr int kStepsInFlight = 8;  // 32-wide k steps whose weight loads a lane 
 // c += rows lo, hi (lane's rows g, g + 8) . input row g over k in [ka, kb) (multiples of 32):
 // with wgmma (kWg, the whole warpgroup at once; in_addr the input's address) or mma.sync
 // (in_addr the lane's ldmatrix address).
+// With `ready` the input lands by a bulk copy completing on it: each burst's loads are issued
+// before the wait (once complete, the barrier's phase 0 passes at once).
 template <bool kWg>
-__device__ __forceinline__ void tile_dot(const bf16 *lo, const bf16 *hi, uint32_t in_addr, int ka, int kb, float c[4]) {
+__device__ __forceinline__ void tile_dot(const bf16 *lo, const bf16 *hi, uint32_t in_addr, int ka, int kb, float c[4],
+                                         uint64_t *ready) {
     int k = ka;
     uint4 wl[kStepsInFlight], wh[kStepsInFlight];
 #pragma unroll 1
@@ -359,6 +366,7 @@ __device__ __forceinline__ void tile_dot(const bf16 *lo, const bf16 *hi, uint32_
             wl[i] = load_weight(lo + k + 32 * i);
             wh[i] = load_weight(hi + k + 32 * i);
         }
+        if (ready) mbar_wait(ready, 0);
         if (kWg) {
             wgmma_steps<kStepsInFlight>(c, wl, wh, in_desc(in_addr, k));
         } else {
@@ -369,6 +377,7 @@ __device__ __forceinline__ void tile_dot(const bf16 *lo, const bf16 *hi, uint32_
 #pragma unroll 1
     for (; k < kb; k += 32) {
         const uint4 l = load_weight(lo + k), h = load_weight(hi + k);
+        if (ready) mbar_wait(ready, 0);
         if (kWg) wgmma_steps<1>(c, &l, &h, in_desc(in_addr, k));
         else mma_k32(c, l, h, load_in_k32(in_addr, k));
     }
@@ -378,13 +387,14 @@ __device__ __forceinline__ void tile_dot(const bf16 *lo, const bf16 *hi, uint32_
 // only: kWarpgroups false) in its place.
 struct TileDot {
     static constexpr bool kWarpgroups = true;  // has warpgroup(): tiles in fours run as wgmma
+    uint64_t *ready = nullptr;                 // the input's bulk copy (stage_image), or none
     __device__ __forceinline__ void operator()(const bf16 *lo, const bf16 *hi, uint32_t lane_addr, int ka, int kb,
                                                float c[4], char *) const {
-        tile_dot<false>(lo, hi, lane_addr, ka, kb, c);
+        tile_dot<false>(lo, hi, lane_addr, ka, kb, c, ready);
     }
     __device__ __forceinline__ void warpgroup(const bf16 *lo, const bf16 *hi, uint32_t in_addr, int ka, int kb,
                                               float c[4]) const {
-        tile_dot<true>(lo, hi, in_addr, ka, kb, c);
+        tile_dot<true>(lo, hi, in_addr, ka, kb, c, ready);
     }
 };
 
