@@ -172,27 +172,6 @@ __device__ __forceinline__ void stage_bf16(bf16 *dst, const bf16 *src, int rows,
     fence_proxy_async_shared();
 }
 
-// A GEMV input that its producers wrote in global memory in its shared-memory image (in_offset),
-// staged by one bulk copy of `bytes` that completes on `bar` (8 free bytes of the task's shared
-// memory): pass TileDot{bar} to gemv, whose warps wait for it only after their first weight
-// burst is in flight, then stage_image_end(bar) after gemv. Ends with a barrier (bar's init).
-__device__ __forceinline__ void stage_image(bf16 *dst, const bf16 *src, int bytes, uint64_t *bar) {
-    if (threadIdx.x == 0) {
-        mbar_init(bar, 1);
-        mbar_init_fence();
-        fence_proxy_async();  // the producers' stores (acquired by the task's wait) and this smem's last use
-        mbar_arrive_expect(bar, bytes);
-        bulk_load(dst, src, bytes, bar);
-    }
-    __syncthreads();  // the barrier's init
-}
-
-// After the gemv that read the image (its closing barrier: every warp that reads the input has
-// waited on bar, so the copy is complete).
-__device__ __forceinline__ void stage_image_end(uint64_t *bar) {
-    if (threadIdx.x == 0) mbar_inval(bar);
-}
-
 // ---- shared memory a CTA keeps across its tasks of a step -----------------------------------
 // A task's scratch is [0, kTaskSmemBytes); past it, what later tasks of the same layer reuse:
 // the normed input a GEMV staged at offset 0 and the routing of a sparse layer (op_router).
@@ -205,9 +184,54 @@ struct Kept {
     float rms[NMK_MK_MAX_BATCH];  // stage_normed's scratch
     uint32_t claimed;             // the drain's claimed task (vm.cuh): its index and descriptor
     nmk_task claimed_task;
+    // stage_image's bulk copies: each completes a phase of image_full; each thread then arrives
+    // on image_empty once it is done with the image; image_uses counts the copies.
+    uint64_t image_full, image_empty;
+    uint32_t image_uses;
 };
 
 __device__ __forceinline__ Kept &kept(char *smem) { return *reinterpret_cast<Kept *>(smem + kTaskSmemBytes); }
+
+// Thread 0, once per launch (a barrier must follow before any other use of the CTA's Kept).
+__device__ __forceinline__ void kept_init(char *smem) {
+    Kept &k = kept(smem);
+    k.normed = k.routed = -1;
+    k.claimed = 0, k.claimed_task = nmk_task{};
+    mbar_init(&k.image_full, 1);
+    mbar_init(&k.image_empty, kThreads);
+    mbar_init_fence();
+    k.image_uses = 0;
+}
+
+// A GEMV input that its producers wrote in global memory in its shared-memory image (in_offset),
+// staged by one bulk copy of `bytes` into dst. Returns the copy's completion, for TileDot (whose
+// warps wait for it only after their first weight burst is in flight); call stage_image_end
+// after the gemv. The copies of successive tasks are ordered as a ring of one slot: thread 0
+// issues one only once every thread has released the previous image.
+struct ImageCopy {
+    uint64_t *full;
+    uint32_t parity;
+};
+__device__ __forceinline__ ImageCopy stage_image(char *smem, bf16 *dst, const bf16 *src, int bytes) {
+    Kept &k = kept(smem);
+    const uint32_t n = k.image_uses;
+    if (threadIdx.x == 0) {
+        if (n > 0) mbar_wait(&k.image_empty, (n - 1) & 1);
+        fence_proxy_async();  // the producers' stores (acquired by the task's wait) and this smem's last use
+        mbar_arrive_expect(&k.image_full, bytes);
+        bulk_load(dst, src, bytes, &k.image_full);
+    }
+    return {&k.image_full, n & 1};
+}
+
+// All threads, after the gemv that read the image (past its closing barrier, every thread has
+// read image_uses for this copy).
+__device__ __forceinline__ void stage_image_end(char *smem, ImageCopy c) {
+    Kept &k = kept(smem);
+    mbar_wait(c.full, c.parity);  // a warp without GEMV work has not observed it yet
+    mbar_arrive(&k.image_empty);
+    if (threadIdx.x == 0) k.image_uses++;
+}
 
 // The normed residual as a GEMV input at smem offset 0: h =
 // bf16(round(x * rms) * weight), rms from the NORM tiles' sums of squares (the roundings of
@@ -352,11 +376,11 @@ constexpr int kStepsInFlight = 8;  // 32-wide k steps whose weight loads a lane 
 // c += rows lo, hi (lane's rows g, g + 8) . input row g over k in [ka, kb) (multiples of 32):
 // with wgmma (kWg, the whole warpgroup at once; in_addr the input's address) or mma.sync
 // (in_addr the lane's ldmatrix address).
-// With `ready` the input lands by a bulk copy completing on it: each burst's loads are issued
-// before the wait (once complete, the barrier's phase 0 passes at once).
+// With `ready` the input lands by a bulk copy (stage_image): each burst's loads are issued
+// before the wait (once the copy is complete, the wait passes at once).
 template <bool kWg>
 __device__ __forceinline__ void tile_dot(const bf16 *lo, const bf16 *hi, uint32_t in_addr, int ka, int kb, float c[4],
-                                         uint64_t *ready) {
+                                         uint64_t *ready, uint32_t parity) {
     int k = ka;
     uint4 wl[kStepsInFlight], wh[kStepsInFlight];
 #pragma unroll 1
@@ -366,7 +390,7 @@ __device__ __forceinline__ void tile_dot(const bf16 *lo, const bf16 *hi, uint32_
             wl[i] = load_weight(lo + k + 32 * i);
             wh[i] = load_weight(hi + k + 32 * i);
         }
-        if (ready) mbar_wait(ready, 0);
+        if (ready) mbar_wait(ready, parity);
         if (kWg) {
             wgmma_steps<kStepsInFlight>(c, wl, wh, in_desc(in_addr, k));
         } else {
@@ -377,7 +401,7 @@ __device__ __forceinline__ void tile_dot(const bf16 *lo, const bf16 *hi, uint32_
 #pragma unroll 1
     for (; k < kb; k += 32) {
         const uint4 l = load_weight(lo + k), h = load_weight(hi + k);
-        if (ready) mbar_wait(ready, 0);
+        if (ready) mbar_wait(ready, parity);
         if (kWg) wgmma_steps<1>(c, &l, &h, in_desc(in_addr, k));
         else mma_k32(c, l, h, load_in_k32(in_addr, k));
     }
@@ -388,13 +412,14 @@ __device__ __forceinline__ void tile_dot(const bf16 *lo, const bf16 *hi, uint32_
 struct TileDot {
     static constexpr bool kWarpgroups = true;  // has warpgroup(): tiles in fours run as wgmma
     uint64_t *ready = nullptr;                 // the input's bulk copy (stage_image), or none
+    uint32_t parity = 0;
     __device__ __forceinline__ void operator()(const bf16 *lo, const bf16 *hi, uint32_t lane_addr, int ka, int kb,
                                                float c[4], char *) const {
-        tile_dot<false>(lo, hi, lane_addr, ka, kb, c, ready);
+        tile_dot<false>(lo, hi, lane_addr, ka, kb, c, ready, parity);
     }
     __device__ __forceinline__ void warpgroup(const bf16 *lo, const bf16 *hi, uint32_t in_addr, int ka, int kb,
                                               float c[4]) const {
-        tile_dot<true>(lo, hi, in_addr, ka, kb, c, ready);
+        tile_dot<true>(lo, hi, in_addr, ka, kb, c, ready, parity);
     }
 };
 

@@ -76,11 +76,11 @@ __device__ void run_down(const Params &p, int layer, int tile, int y, char *smem
     GemvSmem s(smem, w.inter, rows);
     int *ks = reinterpret_cast<int *>(s.extra);
     if (threadIdx.x < B) ks[threadIdx.x] = L.dense ? 0 : load_l2(p.slot_k + y * B + threadIdx.x);
-    uint64_t *bar = reinterpret_cast<uint64_t *>(s.extra + 64);
-    stage_image(s.in, reinterpret_cast<const bf16 *>(act_image(p, y)), in_bytes(w.inter), bar);  // its barrier: ks too
+    const ImageCopy copy = stage_image(smem, s.in, reinterpret_cast<const bf16 *>(act_image(p, y)), in_bytes(w.inter));
     const bf16 *W = w.down + (size_t)r0 * w.inter;
-    gemv([&](int r) { return W + (size_t)r * w.inter; }, n, s.in, w.inter, s.out, s.red, TileDot{bar});
-    stage_image_end(bar);
+    gemv([&](int r) { return W + (size_t)r * w.inter; }, n, s.in, w.inter, s.out, s.red,
+         TileDot{copy.full, copy.parity});  // its closing barrier publishes ks too
+    stage_image_end(smem, copy);
 #pragma unroll 1
     for (int i = threadIdx.x; i < n * B; i += kThreads) {
         const int r = i / B, b = i % B;

@@ -135,7 +135,7 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(const __grid_constant_
     extern __shared__ __align__(1024) char smem[];
     if (threadIdx.x == 0) {
         if (smem_u32(smem) & 1023) __trap();
-        kept(smem) = Kept{-1, -1, {}, 0, {}};
+        kept_init(smem);
     }
     __syncthreads();
     run_list<B>(p, smem);
