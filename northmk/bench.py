@@ -6,6 +6,7 @@
     python -m northmk.bench plot RESULT.json [MORE.json ...] [--out PNG]
     python -m northmk.bench critical TASK_TIMES.npy [--batch B --context C] [--sms 132] [--layer L]
     python -m northmk.bench simulate TASK_TIMES.npy [--batch B --context C] [--sms 132] [--hop-us H --turn-us T]
+        [--what-if OP=CHANGE ...]
     python -m northmk.bench timeline TASK_TIMES.npy [--batch B --context C] [--sms 132] [--bin-us 5] [--layer L]
     python -m northmk.bench switches TASK_TIMES.npy [--min-us 1.5]
 
@@ -22,7 +23,9 @@ joins the rows of several files (e.g. a --no-peer and a --peer-only run of one s
 writes) back along the chain of tasks that set its length (northmk.bench_critical);
 `simulate` replays that step's schedule in time from its tasks' measured run times
 (northmk.bench_simulate) and says how long it comes out, with and without the gaps between
-tasks. `timeline` spreads each task's bytes (weights, KV pages) over its run: the bandwidth
+tasks; with --what-if it replays the step again with some opcodes' run times changed (QKV=-1.5:
+every QKV task 1.5 us shorter; ATTN=x0.7: every attention task at 70% of its time), the
+prediction of a change that shortens tasks without moving the DRAM traffic between them. `timeline` spreads each task's bytes (weights, KV pages) over its run: the bandwidth
 the step asked of DRAM in each bin, and per opcode the SMs that ran (northmk.bench_timeline).
 `switches` compares, per opcode, the run of its tasks that follow a task of their own
 opcode on their SM with those that follow another (northmk.bench_critical.opcode_switches).
@@ -34,6 +37,7 @@ import argparse
 import datetime
 import importlib.util
 import json
+import math
 import os
 import re
 import shlex
@@ -425,22 +429,52 @@ def critical(args) -> str:
     return which + "\n" + report(critical_path_of_run(times, schedule), args.layer)
 
 
+def what_if_change(text: str) -> tuple[Opcode, float, float]:
+    """--what-if's OP=CHANGE: (opcode, factor, us added); CHANGE is +N / -N (us) or xF."""
+    name, sep, change = text.partition("=")
+    ops = [o.name for o in Opcode if o not in (Opcode.COMBINE, Opcode.DRAIN)]
+    if not sep or name.upper() not in ops:
+        raise ValueError(f"--what-if {text!r}: want OP=CHANGE with OP one of {', '.join(ops)}")
+    try:
+        if change[:1] in ("x", "*"):
+            factor, add = float(change[1:]), 0.0
+        else:
+            factor, add = 1.0, float(change)
+    except ValueError:
+        raise ValueError(f"--what-if {text!r}: CHANGE is microseconds to add (-1.5) or a factor (x0.7)") from None
+    if not (math.isfinite(factor) and math.isfinite(add)) or factor < 0:
+        raise ValueError(f"--what-if {text!r}: want a finite change, and a factor >= 0")
+    return Opcode[name.upper()], factor, add
+
+
 def simulate(args) -> str:
-    """The report of `simulate`: the step as measured, replayed with its gaps, and without."""
+    """The report of `simulate`: the step as measured, replayed with its gaps, and without; with
+    --what-if, replayed again with those opcodes' run times changed (a task never below 0)."""
     from .bench_critical import check_times
     from .bench_simulate import replay_runs, simulate as replay
 
     times, schedule, which = profiled_step(args)
     if args.hop_us < 0 or args.turn_us < 0:
         raise ValueError("--hop-us and --turn-us must be >= 0")
+    changes = [what_if_change(c) for c in args.what_if]
     times = check_times(times, schedule)[0]
     runs, _ = replay_runs(schedule, schedule, times)
     span = lambda t: (t[:, 2].max() - t[:, 1].min()) / 1e3  # noqa: E731
-    gaps = replay(schedule, runs, round(args.hop_us * 1e3), round(args.turn_us * 1e3))
+    hop, turn = round(args.hop_us * 1e3), round(args.turn_us * 1e3)
+    gaps = replay(schedule, runs, hop, turn)
     none = replay(schedule, runs, 0, 0)
-    return (f"{which}\n  measured {span(times):.1f} us; replayed from the measured run times "
-            f"{span(gaps):.1f} us with {args.hop_us:g} us hops and {args.turn_us:g} us turns, "
-            f"{span(none):.1f} us without gaps")
+    report = (f"{which}\n  measured {span(times):.1f} us; replayed from the measured run times "
+              f"{span(gaps):.1f} us with {args.hop_us:g} us hops and {args.turn_us:g} us turns, "
+              f"{span(none):.1f} us without gaps")
+    if changes:
+        changed = runs.astype(np.float64)
+        for op, factor, add in changes:
+            mine = schedule.tasks["op"] == op
+            changed[mine] = np.maximum(changed[mine] * factor + add * 1e3, 0.0)
+        step = span(replay(schedule, np.round(changed).astype(np.int64), hop, turn))
+        report += (f"\n  what if {', '.join(args.what_if)}: replayed {step:.1f} us, "
+                   f"{100 * (span(gaps) / step - 1):+.1f}% tok/s against the replay with the measured run times")
+    return report
 
 
 def timeline(args) -> str:
@@ -511,6 +545,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     m = step_parser(sub, "simulate", "replay a profiled step's schedule from its tasks' run times")
     m.add_argument("--hop-us", type=float, default=0.5, help="a counter complete -> its waiter running")
     m.add_argument("--turn-us", type=float, default=0.7, help="an SM's task ended -> its next running")
+    m.add_argument("--what-if", action="append", default=[], metavar="OP=CHANGE",
+                   help="replay again with every OP task's run time changed: -1.5 (us) or x0.7 (a factor); "
+                        "repeat for several opcodes")
     t = step_parser(sub, "timeline", "the bandwidth a profiled step asked of DRAM over time, and who ran")
     t.add_argument("--bin-us", type=float, default=5.0, help="width of a bin of time")
     t.add_argument("--layer", type=int, help="the layer whose bins to list (default: the middle one)")

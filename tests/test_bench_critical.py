@@ -228,3 +228,29 @@ def test_simulate_command_compares_the_replay_with_the_measured_step(tmp_path, c
     assert "--hop-us and --turn-us must be >= 0" in capsys.readouterr().err
     assert bench.main(["simulate", str(path), "--sms", "4", "--geometry", "mk-small", "--batch", "1"]) == 2
     assert "another batch, context or SM count" in capsys.readouterr().err
+
+
+def test_simulate_what_if_replays_the_step_with_some_run_times_changed(tmp_path, capsys):
+    schedule = Schedule(bench.geometry("mk-small"), 4, [context_bucket(100)] * 2)
+    path = tmp_path / "task-times-b2-c100.npy"
+    np.save(path, simulate(schedule, np.full(len(schedule.tasks), 2000), 0, 0))
+    step = ["simulate", str(path), "--sms", "4", "--geometry", "mk-small"]
+
+    def what_if(*changes: str) -> tuple[float, float]:
+        assert bench.main(step + [arg for c in changes for arg in ("--what-if", c)]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        base = float(lines[1].split("replayed from the measured run times ")[1].split(" us")[0])
+        assert lines[2].startswith(f"  what if {', '.join(changes)}: replayed ")
+        return base, float(lines[2].split("replayed ")[1].split(" us")[0])
+
+    base, same = what_if("QKV=x1", "down=+0")
+    assert same == base
+    base, longer = what_if("QKV=+50")  # every QKV task of the 2 us ones 50 us longer, on the chain
+    assert longer >= base + 50
+    base, shorter = what_if("GATE_UP=x0.5", "DOWN=-1")
+    assert shorter < base
+    for bad, message in (("QKV", "want OP=CHANGE with OP one of NORM, QKV"), ("DRAIN=-1", "OP one of"),
+                         ("QKV=x-1", "a factor >= 0"), ("QKV=fast", "microseconds to add (-1.5) or a factor"),
+                         ("QKV=inf", "want a finite change")):
+        assert bench.main(step + ["--what-if", bad]) == 2
+        assert message in capsys.readouterr().err
