@@ -25,7 +25,8 @@ writes) back along the chain of tasks that set its length (northmk.bench_critica
 (northmk.bench_simulate) and says how long it comes out, with and without the gaps between
 tasks; with --what-if it replays the step again with some opcodes' run times changed (QKV=-1.5:
 every QKV task 1.5 us shorter; ATTN=x0.7: every attention task at 70% of its time), the
-prediction of a change that shortens tasks without moving the DRAM traffic between them. `timeline` spreads each task's bytes (weights, KV pages) over its run: the bandwidth
+prediction of a change that shortens tasks without moving the DRAM traffic between them.
+`timeline` spreads each task's bytes (weights, KV pages) over its run: the bandwidth
 the step asked of DRAM in each bin, and per opcode the SMs that ran (northmk.bench_timeline).
 `switches` compares, per opcode, the run of its tasks that follow a task of their own
 opcode on their SM with those that follow another (northmk.bench_critical.opcode_switches).
@@ -472,6 +473,8 @@ def simulate(args) -> str:
             mine = schedule.tasks["op"] == op
             changed[mine] = np.maximum(changed[mine] * factor + add * 1e3, 0.0)
         step = span(replay(schedule, np.round(changed).astype(np.int64), hop, turn))
+        if step <= 0:
+            raise ValueError("--what-if leaves the step no time at all: nothing to compare")
         report += (f"\n  what if {', '.join(args.what_if)}: replayed {step:.1f} us, "
                    f"{100 * (span(gaps) / step - 1):+.1f}% tok/s against the replay with the measured run times")
     return report

@@ -254,3 +254,6 @@ def test_simulate_what_if_replays_the_step_with_some_run_times_changed(tmp_path,
                          ("QKV=inf", "want a finite change")):
         assert bench.main(step + ["--what-if", bad]) == 2
         assert message in capsys.readouterr().err
+    nothing = [arg for op in Opcode if op not in (Opcode.COMBINE, Opcode.DRAIN) for arg in ("--what-if", f"{op.name}=x0")]
+    assert bench.main(step + ["--hop-us", "0", "--turn-us", "0"] + nothing) == 2
+    assert "leaves the step no time at all" in capsys.readouterr().err
