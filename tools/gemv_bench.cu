@@ -297,6 +297,31 @@ struct DotAsync {
     }
 };
 
+// Copies rows x K bf16 (K % 32 == 0) from global memory (src_stride apart) to a GEMV input,
+// four 16-byte loads in flight per thread (the megakernel's staging before its producers wrote
+// the inputs in this layout, common.cuh's stage_image). The caller's barrier publishes it, to wgmma's
+// reads (the async proxy) too.
+__device__ __forceinline__ void stage_bf16(bf16 *dst, const bf16 *src, int rows, int K, int src_stride) {
+    const int chunks = K / 8, total = rows * chunks;
+#pragma unroll 1
+    for (int base = threadIdx.x; base < total; base += 4 * kThreads) {
+        uint4 v[4] = {};
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const int i = base + j * kThreads;
+            if (i < total)
+                v[j] = load_l2(reinterpret_cast<const uint4 *>(src + (size_t)(i / chunks) * src_stride) + i % chunks);
+        }
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const int i = base + j * kThreads;
+            if (i < total) store_in_chunk(dst, i / chunks, i % chunks, v[j]);
+        }
+    }
+    fence_proxy_async_shared();
+}
+
+
 // common.cuh's gemv() as the megakernel runs it (the mma.sync and mma.sync+pf paths).
 using CommonDot = TileDot;
 

@@ -149,29 +149,6 @@ __device__ __forceinline__ void store_in_chunk(bf16 *in, int n, int c, uint4 v) 
     w[0] = v.x, w[32] = v.y, w[64] = v.z, w[96] = v.w;
 }
 
-// Copies rows x K bf16 (K % 32 == 0) from global scratch (src_stride apart) to a GEMV input,
-// four 16-byte loads in flight per thread. The caller's barrier publishes it, to wgmma's
-// reads (the async proxy) too.
-__device__ __forceinline__ void stage_bf16(bf16 *dst, const bf16 *src, int rows, int K, int src_stride) {
-    const int chunks = K / 8, total = rows * chunks;
-#pragma unroll 1
-    for (int base = threadIdx.x; base < total; base += 4 * kThreads) {
-        uint4 v[4] = {};
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            const int i = base + j * kThreads;
-            if (i < total)
-                v[j] = load_l2(reinterpret_cast<const uint4 *>(src + (size_t)(i / chunks) * src_stride) + i % chunks);
-        }
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            const int i = base + j * kThreads;
-            if (i < total) store_in_chunk(dst, i / chunks, i % chunks, v[j]);
-        }
-    }
-    fence_proxy_async_shared();
-}
-
 // ---- shared memory a CTA keeps across its tasks of a step -----------------------------------
 // A task's scratch is [0, kTaskSmemBytes); past it, what later tasks of the same layer reuse:
 // the normed input a GEMV staged at offset 0 and the routing of a sparse layer (op_router).
