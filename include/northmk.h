@@ -392,26 +392,28 @@ NMK_API nmk_status nmk_sample(const float *logits, uint32_t rows, uint32_t vocab
 
 enum { NMK_MK_MAX_BATCH = 8, NMK_MK_MAX_SPLITS = 64 };
 
-/* Append-only; 0 is never valid so zeroed memory fails loudly. Semantics of v0.3: no task
- * keeps a normed copy of x; every task that reads the normed input h computes it from x and
- * the partial sums of squares ss of the NORM tiles: rms_b = rsqrt(sum_t ss[b, t] / hidden +
- * eps), h[b, i] = bf16(round_bf16(x[b, i] * rms_b) * norm_weight[i]). */
+/* Append-only; 0 is never valid so zeroed memory fails loudly. Semantics of v0.4: every task
+ * that reads the normed input h but a sparse GATE_UP computes it from x and the partial sums
+ * of squares ss of the NORM tiles: rms_b = rsqrt(sum_t ss[b, t] / hidden + eps), h[b, i] =
+ * bf16(round_bf16(x[b, i] * rms_b) * norm_weight[i]); the ROUTER tiles write h for the
+ * layer's sparse GATE_UP tasks (v0.3: those computed it too, and routed themselves). */
 typedef enum nmk_opcode {
     NMK_OP_NORM = 1,       /* tile x: hidden cols [x*norm_cols, ...) of every row: x += o + mlp
                             * (embedding at layer 0); ss[b, x] = sum of x^2 over the slice */
     NMK_OP_QKV = 2,        /* rows [x*qkv_rows, ...) of qkv @ h; RoPE; k, v into the paged cache */
     NMK_OP_ROUTER = 3,     /* tile x: router_logits[b, e] = bf16(h_b . router[e]), e in
-                            * [x*router_rows, ...) */
+                            * [x*router_rows, ...); h's 32-wide column blocks [x*blocks/tiles,
+                            * ...). The last tile to finish routes the layer: row b's top_k
+                            * logits (ties: lower id), ascending id, weight bf16(sigmoid(logit));
+                            * slot y = the y-th smallest distinct pick (-1 past them); it writes
+                            * slot_expert, slot_k, topk_weight and the debug experts. */
     NMK_OP_ATTN = 4,       /* row x, kv head y, split z & 0xff of z >> 8: partial softmax(qk)v;
                             * the pair's last split to finish merges all of them into attn_out */
     NMK_OP_COMBINE = 5,    /* retired in v0.3, never emitted (ATTN merges); the checker rejects it */
     NMK_OP_OPROJ = 6,      /* rows [x*oproj_rows, ...) of o @ attn_out */
     NMK_OP_GATE_UP = 7,    /* mlp slot y, intermediate cols [x*cols, ...): silu(gate) * up. On a
-                            * sparse layer each task routes from router_logits itself: row b's
-                            * top_k logits (ties: lower id), ascending id, weight
-                            * bf16(sigmoid(logit)); slot y = the y-th smallest distinct pick
-                            * (-1 past them). Task x = 0 writes slot_expert[y], slot_k[y, :];
-                            * task (0, 0) also topk_weight and the debug experts. */
+                            * sparse layer, of slot_expert[y] (nothing for -1) with the h the
+                            * ROUTER tiles wrote. */
     NMK_OP_DOWN = 8,       /* mlp slot y, hidden rows [x*rows, ...) of down @ act */
     NMK_OP_FINAL_NORM = 9, /* tile x: NORM over the last layer's outputs */
     NMK_OP_LM_HEAD = 10,   /* vocab rows [x*lm_rows, ...) of embed @ h (final_norm): scaled

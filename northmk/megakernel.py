@@ -27,16 +27,17 @@ MAX_GEMV_INPUT = 4096  # widest [8, K] bf16 input the kernel stages (cuda/schedu
 
 
 class Opcode(enum.IntEnum):
-    """nmk_opcode, v0.3 semantics (include/northmk.h): NORM / FINAL_NORM tiles write slices
-    of x and their sums of squares; every reader of the normed input normalizes x itself."""
+    """nmk_opcode, v0.4 semantics (include/northmk.h): NORM / FINAL_NORM tiles write slices
+    of x and their sums of squares; every reader of the normed input normalizes x itself but
+    the sparse GATE_UP tasks, which read what the ROUTER tiles wrote."""
 
     NORM = 1  # tile x: hidden cols [x * norm_cols, ...): x += o + mlp, ss[b, x]
     QKV = 2
-    ROUTER = 3  # tile x: router_logits of experts [x * router_rows, ...)
+    ROUTER = 3  # tile x: router_logits of experts [x * router_rows, ...); the last one routes
     ATTN = 4  # row x, kv head y, split z & 0xff of z >> 8; the pair's last split merges
     COMBINE = 5  # retired in v0.3, never emitted: the checker rejects it
     OPROJ = 6
-    GATE_UP = 7  # on sparse layers each task routes itself from router_logits
+    GATE_UP = 7  # on sparse layers of the expert the routing put in slot y
     DOWN = 8
     FINAL_NORM = 9
     LM_HEAD = 10

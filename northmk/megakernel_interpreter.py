@@ -4,9 +4,10 @@ It runs a host-built Schedule task by task, in an order the counters allow (each
 in order, a task only once its counter reached its target; an SM at DRAIN(q) claims the
 next unclaimed task of queue q and holds it until it may run, until q is exhausted), on
 the same buffers and with the same bf16 roundings as the kernel's tasks (cuda/mk/op_*.cuh),
-v0.3 semantics (include/northmk.h): NORM tiles write slices of x and their sums of squares, every reader
-of the normed input normalizes x itself, every sparse GATE_UP task routes from the router
-logits, and an attention pair's last split to run merges its splits. Set beside the
+v0.4 semantics (include/northmk.h): NORM tiles write slices of x and their sums of squares, every reader
+of the normed input but a sparse GATE_UP normalizes x itself, ROUTER tiles write their shares
+of the normed input's image, which sparse GATE_UP tasks read, the last ROUTER tile to run
+routes the layer, and an attention pair's last split to run merges its splits. Set beside the
 reference (megakernel_oracle) it checks what the schedule builder decides: tile sizes,
 attention splits, expert slots, the wiring of counters, the buffers each task reads and writes.
 
@@ -69,6 +70,8 @@ class _Step:
         self.x = torch.zeros(B, c.hidden_size)
         self.ss = torch.zeros(B, plan["norm_tiles"])  # sum of x^2 over each NORM tile's columns
         self.router_logits = torch.zeros(B, c.num_experts)
+        self.route_ticket = 0  # ROUTER tiles of the layer finished
+        self.normed_image = torch.zeros(B, c.hidden_size)  # written by ROUTER tiles in 32-wide k blocks
         self.q = torch.zeros(B, c.q_size)
         self.part: dict[tuple[int, int, int], tuple] = {}  # (b, kv head, split) -> (acc [G, D], m [G], l [G])
         self.tickets = [[0] * c.num_kv_heads for _ in range(B)]  # finished splits per (row, kv head)
@@ -175,25 +178,31 @@ class _Step:
         e0, e1 = tile * rows, min((tile + 1) * rows, self.c.num_experts)
         h = self.normed(self.w.layers[layer].norm)
         self.router_logits[:, e0:e1] = rb(h @ self.w.layers[layer].router[e0:e1].float().T)
+        tiles, blocks = self.plan["router_tiles"], self.c.hidden_size // 32
+        k0, k1 = 32 * (tile * blocks // tiles), 32 * ((tile + 1) * blocks // tiles)
+        self.normed_image[:, k0:k1] = h[:, k0:k1]
+        self.route_ticket += 1
+        if self.route_ticket == tiles:  # the last tile routes the layer
+            self.route_ticket = 0
+            self.route(layer)
+
+    def route(self, layer: int) -> None:
+        """The routing of `layer` from all of router_logits, published for GATE_UP, DOWN and NORM."""
+        experts, weights = route(self.router_logits, self.c.top_k)
+        self.slot_expert, self.slot_k = expert_slots(experts, self.plan["expert_slots"])
+        self.topk_weight[:], self.trace.experts[layer] = weights, experts
 
     def gate_up(self, layer: int, tile: int, y: int) -> None:
         lw = self.w.layers[layer]
         if lw.is_dense:
-            gate_up = lw.gate_up
-        else:  # every task routes itself; x = 0 publishes its slot, (0, 0) the weights
-            experts, weights = route(self.router_logits, self.c.top_k)
-            slot_expert, slot_k = expert_slots(experts, self.plan["expert_slots"])
-            if tile == 0:
-                self.slot_expert[y], self.slot_k[y] = slot_expert[y], slot_k[y]
-                if y == 0:
-                    self.topk_weight[:], self.trace.experts[layer] = weights, experts
-            if slot_expert[y] < 0:
-                return
-            gate_up = lw.experts_gate_up[slot_expert[y]]
+            gate_up, h = lw.gate_up, self.normed(lw.norm)
+        elif self.slot_expert[y] < 0:
+            return
+        else:
+            gate_up, h = lw.experts_gate_up[self.slot_expert[y]], self.normed_image.clone()
         inter = gate_up.shape[0] // 2
         cols = self.plan["dense_cols" if lw.is_dense else "moe_cols"]
         c0, c1 = tile * cols, min((tile + 1) * cols, inter)
-        h = self.normed(lw.norm)
         g = rb(h @ gate_up[c0:c1].float().T)
         u = rb(h @ gate_up[inter + c0:inter + c1].float().T)
         self.act[y, :, c0:c1] = rb(rb(F.silu(g)) * u)

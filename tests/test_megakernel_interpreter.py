@@ -161,7 +161,7 @@ def tie_rule_top_k(logits: torch.Tensor, k: int) -> list[list[int]]:
     return [sorted(sorted(range(len(row)), key=lambda e: (-row[e], e))[:k]) for row in logits.tolist()]
 
 
-def test_every_gate_up_task_routes_itself_as_the_reference_top_k_including_ties(small):
+def test_the_last_router_tile_routes_as_the_reference_top_k_including_ties(small):
     config, weights = small
     layer, B, E, K = 2, len(CONTEXTS), config.num_experts, config.top_k
     s = Schedule(config, 40, CONTEXTS)
@@ -171,13 +171,19 @@ def test_every_gate_up_task_routes_itself_as_the_reference_top_k_including_ties(
     gen = torch.Generator().manual_seed(4)
     step.x = rb(torch.randn(B, config.hidden_size, generator=gen))
     step.ss = step.x.view(B, -1, 128).pow(2).sum(-1)
+    routers = [t for t in s.tasks if t["op"] == Opcode.ROUTER and t["layer"] == layer]
+    assert len(routers) > 1, "several ROUTER tiles"
+    for t in routers:
+        step.run(t)
+    assert step.route_ticket == 0, "the last tile rezeroes the ticket"
+    assert torch.equal(step.normed_image, step.normed(weights.layers[layer].norm)), "the tiles wrote all of h"
     logits = rb(torch.randn(B, E, generator=gen))
     logits[0, [9, 4, 30]] = 3.0  # a three-way tie for two places: 4 and 9
     logits[1] = 0.5  # all tied: 0 and 1
     logits[2, [33, 7]] = 4.0  # a tie inside the top-k: both
     step.router_logits = logits.clone()
-    gate_ups = [t for t in s.tasks if t["op"] == Opcode.GATE_UP and t["layer"] == layer]
-    for t in reversed(gate_ups):  # tiles x > 0 run before x = 0 publishes the slot: each routes itself
+    step.route(layer)  # what the last tile does, on these logits
+    for t in reversed([t for t in s.tasks if t["op"] == Opcode.GATE_UP and t["layer"] == layer]):
         step.run(t)
 
     expected = tie_rule_top_k(logits, K)

@@ -150,14 +150,13 @@ __device__ __forceinline__ void store_in_chunk(bf16 *in, int n, int c, uint4 v) 
 }
 
 // ---- shared memory a CTA keeps across its tasks of a step -----------------------------------
-// A task's scratch is [0, kTaskSmemBytes); past it, what later tasks of the same layer reuse:
-// the normed input a GEMV staged at offset 0 and the routing of a sparse layer (op_router).
+// A task's scratch is [0, kTaskSmemBytes); past it, what later tasks reuse (the normed input a
+// GEMV staged at offset 0 is the layer's) and the routing the last ROUTER tile computes (op_router).
 constexpr int kTaskSmemBytes = 123 * 1024;
 constexpr int kMaxGemvItems = 32;  // (16-row tile, k part) work items of one GEMV, for `red`
 
 struct Kept {
     int normed;  // whose normed input sits at offset 0: a layer, num_layers for the final norm, -1 none
-    int routed;  // the layer whose routing sits right after this struct (route()), -1 none
     float rms[NMK_MK_MAX_BATCH];  // stage_normed's scratch
     uint32_t claimed;             // the drain's claimed task (vm.cuh): its index and descriptor
     nmk_task claimed_task;
@@ -172,7 +171,7 @@ __device__ __forceinline__ Kept &kept(char *smem) { return *reinterpret_cast<Kep
 // Thread 0, once per launch (a barrier must follow before any other use of the CTA's Kept).
 __device__ __forceinline__ void kept_init(char *smem) {
     Kept &k = kept(smem);
-    k.normed = k.routed = -1;
+    k.normed = -1;
     k.claimed = 0, k.claimed_task = nmk_task{};
     mbar_init(&k.image_full, 1);
     mbar_init(&k.image_empty, kThreads);

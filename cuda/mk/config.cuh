@@ -65,6 +65,9 @@ struct Params {
     float *x;          // [B, H] residual stream
     float *ss;         // [B, kMaxNormTiles] sums of squares of x per NORM tile (consumers normalize)
     float *router_logits;  // [B, E]
+    uint32_t *route_ticket;  // ROUTER tiles of the layer finished; the last one routes and rezeroes
+    bf16 *normed_image;      // the layer's normed input as a GEMV image (in_bytes(H), in_offset): ROUTER
+                             // tiles write it, sparse GATE_UP tasks stage it by one bulk copy
     uint32_t *attn_ticket; // [B, kv_heads] finished splits; the last one merges and rezeroes
     float *q;          // [B, Q] rotated queries
     float *part;       // [B, kv_heads, MAX_SPLITS, group, head_dim + 2]: acc, max, sum

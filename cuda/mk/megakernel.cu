@@ -145,6 +145,10 @@ void alloc_scratch(nmk_mk &mk, const nmk_mk_geometry &g) {
     p.x = device_alloc<float>(B * H, mk.owned);
     p.ss = device_alloc<float>(B * nmk::mk::kMaxNormTiles, mk.owned);
     p.router_logits = device_alloc<float>(B * g.num_experts, mk.owned);
+    p.route_ticket = device_alloc<uint32_t>(1, mk.owned);
+    cuda_check(cudaMemset(p.route_ticket, 0, sizeof(uint32_t)), "zero the routing ticket");
+    p.normed_image = device_alloc<bf16>(nmk::mk::in_bytes(static_cast<int>(H)) / sizeof(bf16), mk.owned);
+    cuda_check(cudaMemset(p.normed_image, 0, nmk::mk::in_bytes(static_cast<int>(H))), "zero the normed image");
     p.attn_ticket = device_alloc<uint32_t>(B * g.num_kv_heads, mk.owned);
     cuda_check(cudaMemset(p.attn_ticket, 0, B * g.num_kv_heads * sizeof(uint32_t)), "zero attention tickets");
     p.q = device_alloc<float>(B * Q, mk.owned);

@@ -2,7 +2,7 @@
 // A slot is one distinct routed expert (sparse layers) or the dense MLP (slot 0).
 #pragma once
 
-#include "op_router.cuh"
+#include "common.cuh"
 
 namespace nmk::mk {
 
@@ -23,38 +23,30 @@ __device__ __forceinline__ char *act_image(const Params &p, int y) {
     return reinterpret_cast<char *>(p.act) + (size_t)y * in_bytes(max(p.moe_inter, p.dense_inter));
 }
 
-// Sparse layers: the task takes the layer's routing (route(), computed once per CTA); task
-// x = 0 of slot y publishes the slot's expert and rows for DOWN, and task (0, 0) the rows'
-// weights for the next NORM.
+// Sparse layers: the slot's expert as the last ROUTER tile published it (none: nothing to
+// do), and the normed input by one bulk copy of the router's image unless this CTA's last
+// staging was the layer's; the warps' first weight burst is in flight before they wait for it.
 template <int B>
 __device__ void run_gate_up(const Params &p, int layer, int tile, int y, char *smem) {
     const Layer &L = p.layers[layer];
     const int H = p.hidden, cols = L.dense ? p.plan.dense_cols : p.plan.moe_cols;
     GemvSmem s(smem, H, 2 * cols);
-    SlotWeights w{L.gate_up, L.down, p.dense_inter};
-    if (!L.dense) {
-        const Routing &r = route<B>(p, layer, smem);
-        const int e = y < r.slots ? r.slot_expert[y] : -1;
-        if (tile == 0 && threadIdx.x < B) {
-            const int b = threadIdx.x;
-            if (threadIdx.x == 0) p.slot_expert[y] = e;
-            p.slot_k[y * B + b] = e < 0 ? -1 : r.k_of[b][e];
-        }
-        if (tile == 0 && y == 0)  // every (row, expert) pair by its own thread
-#pragma unroll 1
-            for (int i = threadIdx.x; i < B * p.num_experts; i += kThreads) {
-                const int b = i / p.num_experts, f = i % p.num_experts, k = r.k_of[b][f];
-                if (k < 0) continue;
-                p.topk_weight[b * p.top_k + k] = round_bf16(1.f / (1.f + expf(-r.logit[b][f])));
-                if (p.debug_experts) p.debug_experts[((size_t)layer * NMK_MK_MAX_BATCH + b) * p.top_k + k] = f;
-            }
-        w = expert_weights(p, L, e);
-        if (!w.gate_up) return;
-    }
+    const SlotWeights w =
+        L.dense ? SlotWeights{L.gate_up, L.down, p.dense_inter} : expert_weights(p, L, load_l2(p.slot_expert + y));
+    if (!w.gate_up) return;
     const int c0 = tile * cols, n = min(cols, w.inter - c0);  // a multiple of 16
-    stage_normed<B>(smem, p, L.norm, layer);
+    Kept &k = kept(smem);
+    const bool copied = !L.dense && k.normed != layer;
+    ImageCopy copy{nullptr, 0};
+    if (copied) copy = stage_image(smem, s.in, p.normed_image, in_bytes(H));
+    else stage_normed<B>(smem, p, L.norm, layer);  // nothing to do when the layer's input is there
     const bf16 *gate = w.gate_up + (size_t)c0 * H, *up = w.gate_up + (size_t)(w.inter + c0) * H;
-    gemv([&](int r) { return r < n ? gate + (size_t)r * H : up + (size_t)(r - n) * H; }, 2 * n, s.in, H, s.out, s.red);
+    gemv([&](int r) { return r < n ? gate + (size_t)r * H : up + (size_t)(r - n) * H; }, 2 * n, s.in, H, s.out, s.red,
+         TileDot{copy.full, copy.parity});
+    if (copied) {
+        stage_image_end(smem, copy);
+        if (threadIdx.x == 0) k.normed = layer;  // every thread read it before the gemv's barrier
+    }
     char *act = act_image(p, y);
 #pragma unroll 1
     for (int i = threadIdx.x; i < n * B; i += kThreads) {

@@ -1,27 +1,16 @@
 // NMK_OP_ROUTER, tile x: router rows [x * router_rows, ...) -> router_logits (rounded to
-// bf16 as the reference rounds them). The routing itself (top-k by raw logit, ties to the
-// lower id, weight = sigmoid(logit) with no renormalization, picks in ascending expert id,
-// one mlp slot per distinct expert) is computed from those logits by each SM that runs a
-// GATE_UP task of the layer, once (route()), so no single SM sits between the router and
-// the experts.
+// bf16 as the reference rounds them). Each tile also writes its share of the layer's normed
+// input, as a GEMV image, to normed_image, which the sparse GATE_UP tasks stage by one bulk
+// copy. The last tile to finish routes the layer from all the logits (top-k by raw logit,
+// ties to the lower id, weight = sigmoid(logit) with no renormalization, picks in ascending
+// expert id, one mlp slot per distinct expert) and publishes slot_expert and slot_k (GATE_UP,
+// DOWN) and topk_weight (the next NORM), before its signal: a GATE_UP task starts with one
+// load of its slot's expert and streams its weights while its input lands.
 #pragma once
 
 #include "common.cuh"
 
 namespace nmk::mk {
-
-template <int B>
-__device__ void run_router(const Params &p, int layer, int tile, char *smem) {
-    const int H = p.hidden, E = p.num_experts, r0 = tile * p.plan.router_rows;
-    const int n = min(p.plan.router_rows, E - r0);
-    GemvSmem s(smem, H, p.plan.router_rows);
-    stage_normed<B>(smem, p, p.layers[layer].norm, layer);
-    const bf16 *W = p.layers[layer].router + (size_t)r0 * H;
-    gemv([&](int r) { return W + (size_t)r * H; }, n, s.in, H, s.out, s.red);
-#pragma unroll 1
-    for (int i = threadIdx.x; i < n * B; i += kThreads)
-        p.router_logits[(i % B) * E + r0 + i / B] = round_bf16(s.out[(i / B) * 8 + i % B]);
-}
 
 // The layer's routing, in shared memory.
 struct Routing {
@@ -35,17 +24,25 @@ struct Routing {
 
 static_assert(kTaskSmemBytes + sizeof(Kept) + sizeof(Routing) <= kSmemBytes, "the kept routing must fit");
 
-// The routing of `layer` in the CTA's kept shared memory: computed from router_logits unless
-// this CTA already did for the layer. Ends with a barrier when it computes.
+// The routing of `layer` from router_logits (every tile's, acquired by the caller's ticket),
+// computed in shared memory past Kept and published for the layer's GATE_UP and DOWN tasks
+// and the next NORM.
 template <int B>
-__device__ const Routing &route(const Params &p, int layer, char *smem) {
-    Kept &k = kept(smem);
+__device__ void route(const Params &p, int layer, char *smem) {
     Routing &r = *reinterpret_cast<Routing *>(smem + kTaskSmemBytes + sizeof(Kept));
-    if (k.routed == layer) return r;
     const int E = p.num_experts, K = p.top_k, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const unsigned below = (1u << lane) - 1;
-#pragma unroll 1
-    for (int i = threadIdx.x; i < B * E; i += kThreads) r.logit[i / E][i % E] = load_l2(p.router_logits + i);
+    // Every logit's load in flight at once (up to four a thread at batch 8), then the stores.
+    constexpr int kLoads = (B * 128 + kThreads - 1) / kThreads;
+    float v[kLoads] = {};
+#pragma unroll
+    for (int j = 0; j < kLoads; j++)
+        if (threadIdx.x + j * kThreads < B * E) v[j] = load_l2(p.router_logits + threadIdx.x + j * kThreads);
+#pragma unroll
+    for (int j = 0; j < kLoads; j++) {
+        const int i = threadIdx.x + j * kThreads;
+        if (i < B * E) r.logit[i / E][i % E] = v[j];
+    }
     __syncthreads();
     // Warp b picks row b's K experts: those that fewer than K experts beat (a larger logit, or
     // equal and a lower id), one argmax over the warp per pick (lane l holds experts l + 32 i).
@@ -96,10 +93,52 @@ __device__ const Routing &route(const Params &p, int layer, char *smem) {
         int n = 0;
         for (int w = 0; w < kWarps; w++) n += r.warp_count[w];
         r.slots = n;
-        k.routed = layer;  // every thread read it above, before the barriers
     }
     __syncthreads();
-    return r;
+    // Slot y's expert (-1 past the distinct picks) and which of each row's picks it is.
+#pragma unroll 1
+    for (int i = threadIdx.x; i < p.plan.expert_slots * (B + 1); i += kThreads) {
+        const int y = i / (B + 1), b = i % (B + 1), e = y < r.slots ? r.slot_expert[y] : -1;
+        if (b == B) p.slot_expert[y] = e;
+        else p.slot_k[y * B + b] = e < 0 ? -1 : r.k_of[b][e];
+    }
+#pragma unroll 1
+    for (int i = threadIdx.x; i < B * E; i += kThreads) {  // every (row, expert) pair by its own thread
+        const int b = i / E, f = i % E, k = r.k_of[b][f];
+        if (k < 0) continue;
+        p.topk_weight[b * p.top_k + k] = round_bf16(1.f / (1.f + expf(-r.logit[b][f])));
+        if (p.debug_experts) p.debug_experts[((size_t)layer * NMK_MK_MAX_BATCH + b) * p.top_k + k] = f;
+    }
+}
+
+template <int B>
+__device__ void run_router(const Params &p, int layer, int tile, char *smem) {
+    const int H = p.hidden, E = p.num_experts, r0 = tile * p.plan.router_rows;
+    const int n = min(p.plan.router_rows, E - r0);
+    GemvSmem s(smem, H, p.plan.router_rows);
+    stage_normed<B>(smem, p, p.layers[layer].norm, layer);
+    {  // this tile's share of the image: whole 32-wide k blocks
+        const int blocks = H / 32, b0 = tile * blocks / p.plan.router_tiles;
+        const int b1 = (tile + 1) * blocks / p.plan.router_tiles;
+        const uint4 *src = reinterpret_cast<const uint4 *>(smem + b0 * kInBlockBytes);
+        uint4 *dst = reinterpret_cast<uint4 *>(reinterpret_cast<char *>(p.normed_image) + b0 * kInBlockBytes);
+#pragma unroll 1
+        for (int i = threadIdx.x; i < (b1 - b0) * kInBlockBytes / 16; i += kThreads) dst[i] = src[i];
+    }
+    const bf16 *W = p.layers[layer].router + (size_t)r0 * H;
+    gemv([&](int r) { return W + (size_t)r * H; }, n, s.in, H, s.out, s.red);
+#pragma unroll 1
+    for (int i = threadIdx.x; i < n * B; i += kThreads)
+        p.router_logits[(i % B) * E + r0 + i / B] = round_bf16(s.out[(i / B) * 8 + i % B]);
+    // The layer's last tile to finish routes it.
+    int &last = *reinterpret_cast<int *>(s.extra);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = atom_add_acq_rel(p.route_ticket, 1u) == (uint32_t)p.plan.router_tiles - 1;
+        if (last) *p.route_ticket = 0;  // the next layer's tiles start after this task's signal
+    }
+    __syncthreads();
+    if (last) route<B>(p, layer, smem);
 }
 
 }  // namespace nmk::mk

@@ -12,9 +12,11 @@ namespace nmk::schedule {
 namespace {
 
 // Buffers of the step that stages share; each stage's reads and writes. SS: the NORM
-// tiles' partial sums of squares, from which every reader of the normed input normalizes x.
+// tiles' partial sums of squares, from which the readers of the normed input normalize x;
+// NIMG: the normed input's image that ROUTER tiles write for the sparse GATE_UP tasks; ROUTE:
+// the routing that the last ROUTER tile publishes.
 enum Buffer : unsigned { X = 1, SS = 2, Q = 4, PART = 8, ATTN = 16, O = 32, RLOGITS = 64, ROUTE = 128, ACT = 256,
-                         MLP = 512, LOGITS = 1024, TOKENS = 2048 };
+                         MLP = 512, LOGITS = 1024, TOKENS = 2048, NIMG = 4096 };
 struct Access {
     unsigned reads, writes;
 };
@@ -22,10 +24,10 @@ Access access_of(uint8_t op, bool dense) {
     switch (op) {
         case NMK_OP_NORM: return {X | O | MLP | ROUTE, X | SS};
         case NMK_OP_QKV: return {X | SS, Q};
-        case NMK_OP_ROUTER: return {X | SS, RLOGITS};
+        case NMK_OP_ROUTER: return {X | SS, RLOGITS | NIMG | ROUTE};
         case NMK_OP_ATTN: return {Q, PART | ATTN};
         case NMK_OP_OPROJ: return {ATTN, O};
-        case NMK_OP_GATE_UP: return dense ? Access{X | SS, ACT} : Access{X | SS | RLOGITS, ACT | ROUTE};
+        case NMK_OP_GATE_UP: return dense ? Access{X | SS, ACT} : Access{X | SS | NIMG | ROUTE, ACT};
         case NMK_OP_DOWN: return {ACT | ROUTE, MLP};
         case NMK_OP_FINAL_NORM: return {X | O | MLP | ROUTE, X | SS};
         case NMK_OP_LM_HEAD: return {X | SS, LOGITS};

@@ -8,7 +8,7 @@
 // split) after its first num_sms - splits), DOWN (slot-major) and OPROJ tasks, which the SMs
 // drain by work stealing. FINAL_NORM, LM_HEAD
 // and ARGMAX are dealt to the lists after the last layer. Each stage waits on the counter
-// of the stage it reads. check() proves a schedule safe to run. Semantics: v0.3 tasks, ABI
+// of the stage it reads. check() proves a schedule safe to run. Semantics: v0.4 tasks, ABI
 // v3 queues (northmk.h).
 #pragma once
 
