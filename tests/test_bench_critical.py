@@ -197,7 +197,7 @@ def test_replay_takes_each_tasks_own_run_time_or_its_opcodes_mean():
     runs, guessed = replay_runs(schedule, schedule, times)
     assert guessed == 0
     assert (runs[schedule.tasks["op"] != Opcode.DRAIN] == times[:, 2] - times[:, 1]).all()
-    other = Schedule(bench.geometry("mk-small"), 4, [2048, 2048])  # longer rows: other attention splits
+    other = Schedule(bench.geometry("mk-small"), 16, [2048, 2048])  # more SMs, longer rows: other splits
     runs, guessed = replay_runs(other, schedule, times)
     assert guessed > 0 and (runs[other.tasks["op"] != Opcode.DRAIN] > 0).all()
     with pytest.raises(ValueError, match="the times have"):

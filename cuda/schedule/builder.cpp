@@ -71,13 +71,14 @@ int splits_for(int keys, int page_size, int pages_per_split) {
     return std::clamp(ceil_div(pages, pages_per_split), 1, static_cast<int>(NMK_MK_MAX_SPLITS));
 }
 
-// Pages per attention split so that one layer's splits of all rows about fill the SMs, and
-// at least kMinSplitPages: a split costs about as much fixed work (queries, partials, ticket,
-// signal) as streaming 8 pages' keys and values of one kv head.
+// Pages per attention split so that one layer's splits of all rows about fill half the SMs
+// (the other half streams expert weights beside them: attention alone draws ~3 TB/s from
+// DRAM at batch 8), and at least kMinSplitPages: a split costs about as much fixed work
+// (queries, partials, ticket, signal) as streaming 8 pages' keys and values of one kv head.
 int pages_per_split(const Geometry &g, int num_sms, const std::vector<int> &lens, int layer) {
     int work = 0;
     for (int len : lens) work += ceil_div(keys_seen(g, layer, len), g.page_size) * g.num_kv_heads;
-    return std::max(kMinSplitPages, ceil_div(work, num_sms));
+    return std::max(kMinSplitPages, ceil_div(work, std::max(1, num_sms / 2)));
 }
 
 // Adds layer l's tasks: NORM, QKV and ROUTER tiles to the lists, then DRAIN of the layer's

@@ -171,15 +171,20 @@ def test_longer_rows_get_more_attention_splits_and_short_rows_one():
 
 
 def test_an_attention_split_covers_at_least_eight_pages():
-    # One row of 8192 keys over 132 SMs: 128 pages per kv head would give 4-page splits; a
-    # split's fixed work (queries, partials, ticket) is worth 8 pages, so 16 splits.
+    # One row of 8192 keys over 132 SMs: 128 pages per kv head over half the SMs would give
+    # 8-page splits, and a split's fixed work (queries, partials, ticket) is worth 8 pages at
+    # least: 16 splits.
     s = Schedule(north(num_layers=8), 132, [8192])
     attn = s.tasks[s.tasks["op"] == Opcode.ATTN]
     assert set((attn[attn["layer"] == 4]["z"] >> 8).tolist()) == {16}
     assert set((attn[attn["layer"] == 5]["z"] >> 8).tolist()) == {8}  # the 4096-key window
-    # Rows long enough to fill the SMs keep their own split size.
+    # Rows enough to fill half the SMs get longer splits (the other half streams experts): 8
+    # rows x 4 kv heads x 128 pages over 66 SMs is 63 pages a split, 3 splits a pair (96
+    # tasks); the window's 64 pages 32 a split, 2 (64 tasks).
     many = Schedule(north(num_layers=8), 132, [8192] * 8).tasks
-    assert set((many[(many["op"] == Opcode.ATTN) & (many["layer"] == 4)]["z"] >> 8).tolist()) == {4}  # 32 pages
+    attn = many[many["op"] == Opcode.ATTN]
+    assert set((attn[attn["layer"] == 4]["z"] >> 8).tolist()) == {3} and (attn["layer"] == 4).sum() == 96
+    assert set((attn[attn["layer"] == 5]["z"] >> 8).tolist()) == {2} and (attn["layer"] == 5).sum() == 64
 
 
 def test_oproj_waits_for_every_attention_split_of_its_layer():
