@@ -9,12 +9,18 @@
 
 namespace nmk::mk {
 
-// Weights stream through once per step: skip L1.
+// Weights stream through once per step: skip L1, and leave L2 first (evict_first), so that the
+// lines every SM reads again (the step's scratch, the kernel's code) stay there.
+__device__ __forceinline__ uint64_t evict_first_policy() {
+    uint64_t policy;
+    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    return policy;
+}
 __device__ __forceinline__ uint4 load_weight(const bf16 *p) {
     uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
+                 : "l"(p), "l"(evict_first_policy()));
     return v;
 }
 
