@@ -93,13 +93,14 @@ __device__ __forceinline__ void bulk_load(void *dst, const void *src, uint32_t b
 }
 
 // One box of a tensor map (a 4-D tiled map: coordinates innermost first) into shared memory by
-// the TMA unit, completing on `bar`; the map may sit in the kernel's parameters.
+// the TMA unit, completing on `bar`; the map may sit in the kernel's parameters. Attention's
+// keys and values, read once a step: evict_first as the weights.
 __device__ __forceinline__ void tensor_load_4d(void *dst, const TensorMap *map, int c0, int c1, int c2, int c3,
                                                uint64_t *bar) {
     asm volatile(
-        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
-        "[%6];" ::"r"(smem_u32(dst)),
-        "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_u32(bar))
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, {%2, "
+        "%3, %4, %5}], [%6], %7;" ::"r"(smem_u32(dst)),
+        "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_u32(bar)), "l"(evict_first_policy())
         : "memory");
 }
 
