@@ -31,12 +31,13 @@ __device__ __forceinline__ uint4 load_l2(const uint4 *p) { return __ldcg(p); }
 __device__ __forceinline__ uint2 load_l2(const uint2 *p) { return __ldcg(p); }
 __device__ __forceinline__ int32_t load_l2(const int32_t *p) { return __ldcg(p); }
 
-// Counters between CTAs. After a barrier, one thread publishes the CTA's writes with an
-// acq_rel fence (cumulative over what the barrier ordered before it) and a relaxed add, as
-// CUTLASS's GenericBarrier does; __threadfence() compiles to the stronger, sequentially
-// consistent MEMBAR.SC, which a release does not need.
+// Counters between CTAs. After a barrier, one thread publishes the CTA's writes with a release
+// add (cumulative over what the barrier ordered before it): MEMBAR.ALL.GPU and the add. A
+// fence.acq_rel before a relaxed add (CUTLASS's GenericBarrier) also invalidates L1 (CCTL.IVALL),
+// the acquire half that a signal does not need; __threadfence() compiles to the stronger,
+// sequentially consistent MEMBAR.SC.
 __device__ __forceinline__ void red_release(uint32_t *p, uint32_t v) {
-    asm volatile("fence.acq_rel.gpu;\n\tred.relaxed.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+    asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
 // An add that returns the old value, releasing the CTA's writes (as red_release) and
