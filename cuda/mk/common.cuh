@@ -168,6 +168,8 @@ struct Kept {
     float rms[NMK_MK_MAX_BATCH];  // stage_normed's scratch
     uint32_t claimed;             // the drain's claimed task (vm.cuh): its index and descriptor
     nmk_task claimed_task;
+    int seen;             // a counter this CTA has seen reach seen_target this step (vm.cuh's wait), -1 none
+    uint32_t seen_target;
     // stage_image's bulk copies: each completes a phase of image_full; each thread then arrives
     // on image_empty once it is done with the image; image_uses counts the copies.
     uint64_t image_full, image_empty;
@@ -181,6 +183,7 @@ __device__ __forceinline__ void kept_init(char *smem) {
     Kept &k = kept(smem);
     k.normed = -1;
     k.claimed = 0, k.claimed_task = nmk_task{};
+    k.seen = -1, k.seen_target = 0;
     mbar_init(&k.image_full, 1);
     mbar_init(&k.image_empty, kThreads);
     mbar_init_fence();

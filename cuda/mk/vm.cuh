@@ -19,10 +19,18 @@ __device__ __forceinline__ uint32_t load_acquire(const uint32_t *p) {
     return v;
 }
 
-__device__ __forceinline__ void wait_for(const uint32_t *counter, uint32_t target) {
+// Waits until counter `c` reaches target: thread 0 polls with acquire loads, then a barrier.
+// Counters only grow during a step, so once the CTA has acquired a counter at a target (the
+// last such wait, in Kept) a wait for no more than that passes without a poll: the writes it
+// orders were acquired then (queue tasks of one opcode wait on one counter, GATE_UP's on the
+// routing, o-proj's on attention).
+__device__ __forceinline__ void wait_for(const Params &p, int c, uint32_t target, char *smem) {
+    Kept &k = kept(smem);
+    if (c == k.seen && target <= k.seen_target) return;  // every thread reads the same Kept
     if (threadIdx.x == 0)
-        while (load_acquire(counter) < target) __nanosleep(20);
+        while (load_acquire(p.counters + c) < target) __nanosleep(20);
     __syncthreads();
+    if (threadIdx.x == 0) k.seen = c, k.seen_target = target;  // the next wait reads it past run_one's barrier
 }
 
 // All threads' writes of the task are done (barrier), then one release-add.
@@ -70,7 +78,7 @@ template <int B, class Claim, class Fetch>
 __device__ void run_one(const Params &p, uint32_t i, const nmk_task &t, char *smem, Claim claim, Fetch fetch) {
     const bool timed = p.timing && i < p.timing_capacity;
     uint64_t waited = timed ? global_ns() : 0;
-    if (t.wait >= 0) wait_for(p.counters + t.wait, t.target);
+    if (t.wait >= 0) wait_for(p, t.wait, t.target, smem);
     uint64_t started = timed ? global_ns() : 0;
     run_task<B>(p, t, smem);
     claim();
