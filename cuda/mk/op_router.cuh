@@ -22,7 +22,7 @@ struct Routing {
     int slots;                           // how many there are
 };
 
-static_assert(kTaskSmemBytes + sizeof(Kept) + sizeof(Routing) <= kSmemBytes, "the kept routing must fit");
+static_assert(kTaskSmemBytes + sizeof(Kept) + sizeof(Routing) <= kSmemBytes, "the routing must fit past Kept");
 
 // The routing of `layer` from router_logits (every tile's, acquired by the caller's ticket),
 // computed in shared memory past Kept and published for the layer's GATE_UP and DOWN tasks
