@@ -150,10 +150,10 @@ __host__ __device__ constexpr int in_offset(int n, int k) {
     return (k >> 5) * kInBlockBytes + n * 16 + ((k >> 3) & 3) * 4 + ((k & 7) >> 1) * 128 + (k & 1) * 2;
 }
 
-// Chunk c (k = 8c .. 8c + 7, the k pairs 4c .. 4c + 3) of batch row n.
+// Chunk c (k = 8c .. 8c + 7, the k pairs 4c .. 4c + 3) of batch row n: pair 4c + j is the word
+// at in_offset(n, 8c + 2j) = in_offset(n, 8c) + 128 j.
 __device__ __forceinline__ void store_in_chunk(bf16 *in, int n, int c, uint4 v) {
-    uint32_t *w = reinterpret_cast<uint32_t *>(reinterpret_cast<char *>(in) + (c >> 2) * kInBlockBytes + n * 16) +
-                  (c & 3);
+    uint32_t *w = reinterpret_cast<uint32_t *>(reinterpret_cast<char *>(in) + in_offset(n, 8 * c));
     w[0] = v.x, w[32] = v.y, w[64] = v.z, w[96] = v.w;
 }
 
