@@ -457,13 +457,17 @@ __device__ __forceinline__ void gemv(Row row, int n_rows, const bf16 *in, int K,
         *reinterpret_cast<float2 *>(dst + (g + 8) * 8 + 2 * t) = make_float2(c[2], c[3]);
     }
     __syncthreads();
-    if (ks > 1) {
+    if (ks > 1) {  // the parts' loads at once, their sum in part order (as the loop's)
 #pragma unroll 1
         for (int i = threadIdx.x; i < tiles * 128; i += kThreads) {
-            const int tile = i / 128, e = i % 128;
+            const float *src = red + i / 128 * ks * 128 + i % 128;
+            float v[kWarps];
+#pragma unroll
+            for (int part = 0; part < kWarps; part++) v[part] = part < ks ? src[part * 128] : 0.f;
             float s = 0.f;
-#pragma unroll 1
-            for (int part = 0; part < ks; part++) s += red[(tile * ks + part) * 128 + e];
+#pragma unroll
+            for (int part = 0; part < kWarps; part++)
+                if (part < ks) s += v[part];
             out[i] = s;
         }
         __syncthreads();
