@@ -174,6 +174,10 @@ struct Kept {
     // on image_empty once it is done with the image; image_uses counts the copies.
     uint64_t image_full, image_empty;
     uint32_t image_uses;
+    // The layer's mlp slots' experts (op_mlp's slot_expert_of), loaded by the CTA's first
+    // GATE_UP or DOWN task of the layer; slots_layer: whose they are, -1 none.
+    int slots_layer;
+    int16_t slot_expert[NMK_MK_MAX_BATCH * kMaxTopK];
 };
 
 __device__ __forceinline__ Kept &kept(char *smem) { return *reinterpret_cast<Kept *>(smem + kTaskSmemBytes); }
@@ -184,6 +188,7 @@ __device__ __forceinline__ void kept_init(char *smem) {
     k.normed = -1;
     k.claimed = 0, k.claimed_task = nmk_task{};
     k.seen = -1, k.seen_target = 0;
+    k.slots_layer = -1;
     mbar_init(&k.image_full, 1);
     mbar_init(&k.image_empty, kThreads);
     mbar_init_fence();

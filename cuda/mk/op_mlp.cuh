@@ -17,6 +17,22 @@ __device__ __forceinline__ SlotWeights expert_weights(const Params &p, const Lay
     return {L.experts_gate_up + e * per, L.experts_down + e * per / 2, p.moe_inter};
 }
 
+// Slot y's expert in a sparse layer, as the layer's routing published it. The CTA's first
+// GATE_UP or DOWN task of the layer loads the whole slot table (one load a thread) into
+// Kept; its later tasks of the layer read it there. Both opcodes run after the routing (GATE_UP
+// waits for it, DOWN for its slot's GATE_UP), and the next layer's routing runs after every
+// DOWN of this one, so the table is the layer's for as long as a task of the layer reads it.
+__device__ __forceinline__ int slot_expert_of(const Params &p, int layer, int y, char *smem) {
+    Kept &k = kept(smem);
+    if (k.slots_layer != layer) {  // every thread reads the same Kept
+        if (threadIdx.x < p.plan.expert_slots)
+            k.slot_expert[threadIdx.x] = static_cast<int16_t>(load_l2(p.slot_expert + threadIdx.x));
+        __syncthreads();
+        if (threadIdx.x == 0) k.slots_layer = layer;  // every thread has read it: the barrier above
+    }
+    return k.slot_expert[y];
+}
+
 // Slot y's activations, as DOWN's GEMV input image (in_offset): GATE_UP writes them there and
 // DOWN stages them by one bulk copy.
 __device__ __forceinline__ char *act_image(const Params &p, int y) {
@@ -32,7 +48,7 @@ __device__ void run_gate_up(const Params &p, int layer, int tile, int y, char *s
     const int H = p.hidden, cols = L.dense ? p.plan.dense_cols : p.plan.moe_cols;
     GemvSmem s(smem, H, 2 * cols);
     const SlotWeights w =
-        L.dense ? SlotWeights{L.gate_up, L.down, p.dense_inter} : expert_weights(p, L, load_l2(p.slot_expert + y));
+        L.dense ? SlotWeights{L.gate_up, L.down, p.dense_inter} : expert_weights(p, L, slot_expert_of(p, layer, y, smem));
     if (!w.gate_up) return;
     const int c0 = tile * cols, n = min(cols, w.inter - c0);  // a multiple of 16
     Kept &k = kept(smem);
@@ -61,7 +77,7 @@ template <int B>
 __device__ void run_down(const Params &p, int layer, int tile, int y, char *smem) {
     const Layer &L = p.layers[layer];
     const SlotWeights w = L.dense ? SlotWeights{L.gate_up, L.down, p.dense_inter}
-                                  : expert_weights(p, L, load_l2(p.slot_expert + y));
+                                  : expert_weights(p, L, slot_expert_of(p, layer, y, smem));
     if (!w.down) return;
     const int rows = L.dense ? p.plan.dense_down_rows : p.plan.moe_down_rows;
     const int r0 = tile * rows, n = min(rows, p.hidden - r0);
