@@ -48,7 +48,11 @@ struct AttnSmem {
     int last;
 };
 // The warps' accumulators for their merge; they take the ring's place once every page is read.
-using WarpAcc = float[kWarps][kMaxGroup][kHeadDim];
+// Lane (g, t) stores dims 16j + g (+ 8) of heads 2t and 2t + 1: with heads kAccStride floats
+// apart, one store's 32 lanes fall in banks 8t + g + const, all distinct (kHeadDim apart put the
+// four t of a g in one bank).
+constexpr int kAccStride = kHeadDim + 4;
+using WarpAcc = float[kWarps][kMaxGroup][kAccStride];
 
 static_assert(sizeof(WarpAcc) <= kAttnRingBytes, "the warps' accumulators alias the ring");
 static_assert(kAttnRingBytes + sizeof(AttnSmem) <= kTaskSmemBytes, "attention's shared memory must stay below kTaskSmemBytes");
