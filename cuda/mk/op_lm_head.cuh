@@ -9,6 +9,17 @@ namespace nmk::mk {
 // (value, index) order of the argmax: larger value, then smaller index.
 __device__ __forceinline__ bool better(float v, int i, float bv, int bi) { return v > bv || (v == bv && i < bi); }
 
+// The best (value, index) of the warp's lanes, in every lane: `better` is a total order, so the
+// result does not depend on the order of the comparisons.
+__device__ __forceinline__ void warp_best(float &v, int &i) {
+#pragma unroll
+    for (int o = 16; o; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, i, o);
+        if (better(ov, oi, v, i)) v = ov, i = oi;
+    }
+}
+
 template <int B>
 __device__ void run_lm_head(const Params &p, int tile, char *smem) {
     const int H = p.hidden, rows = p.plan.lm_rows, r0 = tile * rows, n = min(rows, p.vocab - r0);
@@ -31,13 +42,17 @@ __device__ void run_lm_head(const Params &p, int tile, char *smem) {
     }
     best[threadIdx.x] = bv, best_i[threadIdx.x] = bi;
     __syncthreads();
-    if (threadIdx.x < B) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (warp < B) {  // warp b: row b's best over the threads that took it (b, b + B, ... < stride)
         float v = -INFINITY;
         int i = p.vocab;
-        for (int t = threadIdx.x; t < stride; t += B)
+        for (int t = warp + B * lane; t < stride; t += 32 * B)
             if (better(best[t], best_i[t], v, i)) v = best[t], i = best_i[t];
-        p.lm_best[threadIdx.x * p.plan.lm_tiles + tile] = v;
-        p.lm_best_index[threadIdx.x * p.plan.lm_tiles + tile] = i;
+        warp_best(v, i);
+        if (lane == 0) {
+            p.lm_best[warp * p.plan.lm_tiles + tile] = v;
+            p.lm_best_index[warp * p.plan.lm_tiles + tile] = i;
+        }
     }
 }
 
@@ -51,11 +66,13 @@ __device__ inline void run_argmax(const Params &p, int b, char *smem) {
         int ti = load_l2(p.lm_best_index + b * p.plan.lm_tiles + t);
         if (better(tv, ti, v, i)) v = tv, i = ti;
     }
-    vals[threadIdx.x] = v, idx[threadIdx.x] = i;
+    warp_best(v, i);
+    const int warp = threadIdx.x >> 5;
+    if ((threadIdx.x & 31) == 0) vals[warp] = v, idx[warp] = i;
     __syncthreads();
     if (threadIdx.x == 0) {
-        for (int t = 1; t < kThreads; t++)
-            if (better(vals[t], idx[t], v, i)) v = vals[t], i = idx[t];
+        for (int w = 1; w < kWarps; w++)
+            if (better(vals[w], idx[w], v, i)) v = vals[w], i = idx[w];
         p.next_tokens[b] = i;
     }
 }
