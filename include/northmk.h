@@ -536,7 +536,8 @@ typedef struct nmk_mk nmk_mk;
 
 /* Binds weights and KV pages (not copied; they must outlive the megakernel) and allocates
  * the step's scratch on the current CUDA device. *out owned by the caller (nmk_mk_destroy).
- * NMK_ERR_INVALID_ARGUMENT for a missing pointer, a bad kv_group, or a group a layer uses
+ * NMK_ERR_INVALID_ARGUMENT for a geometry the kernel does not take (head_dim other than
+ * 128, more than 128 layers, ...), a missing pointer, a bad kv_group, or a group a layer uses
  * whose kv_num_pages is 0 (or so large that pages * layers_in_group exceeds INT32_MAX). */
 NMK_API nmk_status nmk_mk_create(const nmk_mk_geometry *geometry, const nmk_mk_weights *weights, nmk_mk **out);
 NMK_API void nmk_mk_destroy(nmk_mk *mk);

@@ -19,6 +19,7 @@ constexpr int kMaxTopK = 8;
 constexpr int kPage = 64;           // tokens per KV page (config.PAGE_SIZE)
 constexpr int kMaxK = 4096;         // widest GEMV input (q width, intermediate sizes)
 constexpr int kMaxNormTiles = 128;  // hidden / norm_cols
+constexpr int kMaxLayers = 128;     // the layer table travels in the kernel's parameters (Params::layers)
 constexpr int kSmemBytes = 130 * 1024;
 static_assert(kHeadDim == 128 && kThreads == 256, "the attention and GEMV tiles assume these");
 // A GEMV input's 32-wide k blocks in shared memory (common.cuh, store_in_chunk), kInBlockBytes apart.
@@ -52,7 +53,6 @@ struct Params {
     float rope_theta, norm_eps, logit_scale;
     nmk_plan plan;
     // weights
-    const Layer *layers;
     const bf16 *embed, *final_norm;
     // step inputs and outputs
     const int32_t *tokens;
@@ -93,6 +93,12 @@ struct Params {
     // op | layer << 8 | sm << 16
     uint64_t *timing;          // [timing_capacity, 4]
     uint32_t timing_capacity;
+    // Every task reads its layer's entry first. In the parameters it comes through the constant
+    // cache, which the acquiring polls and tickets do not invalidate; from global memory it cost
+    // an L2 round trip at the start of most tasks (each acquire invalidates L1).
+    Layer layers[kMaxLayers];  // [num_layers]
 };
+// Kernel parameters of Hopper may take up to 32764 bytes (CUDA 12.1 on).
+static_assert(sizeof(Params) <= 32764, "the kernel's parameters are too large");
 
 }  // namespace nmk::mk

@@ -131,10 +131,7 @@ void bind_layers(nmk_mk &mk, const nmk_mk_geometry &g, const nmk_mk_weights &w) 
             throw nmk::Error(NMK_ERR_CUDA, e.what());
         }
     }
-    auto *dev = device_alloc<nmk::mk::Layer>(layers.size(), mk.owned);
-    cuda_check(cudaMemcpy(dev, layers.data(), layers.size() * sizeof(nmk::mk::Layer), cudaMemcpyHostToDevice),
-               "copy layers");
-    mk.params.layers = dev;
+    std::copy(layers.begin(), layers.end(), mk.params.layers);
 }
 
 void alloc_scratch(nmk_mk &mk, const nmk_mk_geometry &g) {
@@ -185,6 +182,7 @@ void check_geometry(const nmk_mk_geometry &g) {
     if (g.num_heads * g.head_dim > nmk::mk::kMaxK) bad("num_heads * head_dim must be <= 4096");
     if (g.moe_inter % 32 || g.dense_inter % 32) bad("intermediate sizes must be multiples of 32");
     if (std::max(g.moe_inter, g.dense_inter) > nmk::mk::kMaxK) bad("intermediate sizes must be <= 4096");
+    if (g.num_layers > nmk::mk::kMaxLayers) bad("the megakernel takes at most " + std::to_string(nmk::mk::kMaxLayers) + " layers");
     if (g.hidden % 256 || g.hidden > nmk::mk::kMaxK)
         bad("hidden_size must be a multiple of 256, at most 4096");
 }

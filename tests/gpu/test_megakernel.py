@@ -26,14 +26,15 @@ from northmk.model.kv import BatchLayout, PagedKVCache
 pytestmark = pytest.mark.gpu
 
 
-def north(num_layers: int = 49) -> ModelConfig:
+def north(num_layers: int = 49, **overrides) -> ModelConfig:
+    """North Mini Code's geometry (config.json fields in overrides replace its own)."""
     return ModelConfig.from_dict({
         "model_type": "cohere2_moe", "hidden_size": 2048, "num_hidden_layers": num_layers,
         "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 262144,
         "num_experts": 128, "num_experts_per_tok": 8, "intermediate_size": 768,
         "prefix_dense_intermediate_size": 3072, "first_k_dense_replace": 1, "sliding_window": 4096,
         "rope_theta": 50000.0, "rms_norm_eps": 1e-6, "expert_selection_fn": "sigmoid", "norm_topk_prob": False,
-        "logit_scale": 1.0, "tie_word_embeddings": True, "max_position_embeddings": 16384,
+        "logit_scale": 1.0, "tie_word_embeddings": True, "max_position_embeddings": 16384, **overrides,
     })
 
 
@@ -286,3 +287,21 @@ def test_create_refuses_kv_groups_without_a_page_count():
     with pytest.raises(NativeError, match="kv_num_pages 0 is not in"):
         Megakernel(config, weights, no_count)
     Megakernel(config, weights, kv).close()  # the same pages with their counts
+
+
+def test_create_refuses_more_layers_than_its_table_holds():
+    """The layer table travels in the kernel's parameters (128 entries): a deeper model is
+    refused with a message that says so, and one at the limit is built."""
+    from northmk.native import NativeError
+
+    small = dict(hidden_size=256, num_attention_heads=2, num_key_value_heads=1, vocab_size=1024, num_experts=4,
+                 num_experts_per_tok=2, intermediate_size=64, prefix_dense_intermediate_size=128, sliding_window=128)
+    for layers, ok in ((129, False), (128, True)):
+        config = north(num_layers=layers, **small)
+        weights = synthetic_weights(config, torch.bfloat16, "cuda", seed=25)
+        kv, _ = noisy_cache(config, 1, 100, seed=26)
+        if ok:
+            Megakernel(config, weights, kv).close()
+        else:
+            with pytest.raises(NativeError, match="at most 128 layers"):
+                Megakernel(config, weights, kv)
