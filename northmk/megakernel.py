@@ -24,6 +24,7 @@ from .native._lib import KV_MAX_GROUPS, check, load
 MAX_BATCH = 8  # NMK_MK_MAX_BATCH
 MAX_SPLITS = 64  # NMK_MK_MAX_SPLITS
 MAX_GEMV_INPUT = 4096  # widest [8, K] bf16 input the kernel stages (cuda/schedule/schedule.hpp kMaxGemvInput)
+MAX_LAYERS = 128  # layers the kernel's parameters hold (cuda/mk/config.cuh kMaxLayers)
 
 
 class Opcode(enum.IntEnum):
@@ -161,6 +162,8 @@ def unsupported_reason(config: ModelConfig) -> str | None:
     widest = max(config.hidden_size, config.moe_intermediate_size, config.dense_intermediate_size)
     if widest > MAX_GEMV_INPUT:
         return f"the megakernel needs hidden_size and intermediate sizes <= {MAX_GEMV_INPUT}, got {widest}"
+    if config.num_layers > MAX_LAYERS:
+        return f"the megakernel takes at most {MAX_LAYERS} layers, got {config.num_layers}"
     return None
 
 

@@ -394,6 +394,14 @@ def test_geometries_the_kernel_cannot_run_are_refused_here_and_by_unsupported_re
     assert unsupported_reason(north(num_layers=2)) is None
 
 
+def test_a_model_deeper_than_the_kernels_layer_table_schedules_but_is_not_megakernel_material():
+    """The schedule takes up to 255 layers; the kernel's parameters hold 128 layers' table."""
+    deep = north(num_layers=129)
+    assert Schedule(deep, 8, [10]).plan["batch"] == 1
+    assert "at most 128 layers, got 129" in unsupported_reason(deep)
+    assert unsupported_reason(north(num_layers=128)) is None
+
+
 def _set(t, i, field, value):
     t[field][i] = value
     return t
