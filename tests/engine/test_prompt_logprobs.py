@@ -42,15 +42,23 @@ async def run(engine, request_id, prompt=PROMPT, **params):
     return outputs, tokens
 
 
+TOL = 1e-4  # chunked prefill against one whole forward: the same logprobs up to float noise
+
+
 def assert_matches(items, expected: torch.Tensor, k: int) -> None:
     assert len(items) == len(PROMPT) and items[0] is None
     for pos, item in enumerate(items[1:]):
         row = expected[pos]
         assert item.token_id == PROMPT[pos + 1]
-        assert item.logprob == pytest.approx(float(row[item.token_id]), abs=1e-4)
-        assert item.rank == int((row > row[item.token_id]).sum()) + 1
+        assert item.logprob == pytest.approx(float(row[item.token_id]), abs=TOL)
+        # The rank counts the tokens above the prompt's. Those within the noise of both values of
+        # it may fall either way (the whole forward ties one with position 114's token exactly;
+        # chunked prefill puts it above on some CPUs).
+        gap = row - row[item.token_id]
+        others = torch.arange(len(row)) != item.token_id
+        assert int((gap > 2 * TOL).sum()) + 1 <= item.rank <= int((others & (gap > -2 * TOL)).sum()) + 1
         assert [t for t, _ in item.top] == torch.topk(row, k).indices.tolist()
-        assert [lp for _, lp in item.top] == pytest.approx(torch.topk(row, k).values.tolist(), abs=1e-4)
+        assert [lp for _, lp in item.top] == pytest.approx(torch.topk(row, k).values.tolist(), abs=TOL)
         values = [lp for _, lp in item.top]
         assert values == sorted(values, reverse=True)
 
