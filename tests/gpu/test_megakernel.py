@@ -289,9 +289,11 @@ def test_create_refuses_kv_groups_without_a_page_count():
     Megakernel(config, weights, kv).close()  # the same pages with their counts
 
 
-def test_create_refuses_more_layers_than_its_table_holds():
+def test_create_refuses_more_layers_than_its_table_holds(monkeypatch):
     """The layer table travels in the kernel's parameters (128 entries): a deeper model is
-    refused with a message that says so, and one at the limit is built."""
+    refused with a message that says so, by the bindings and by the C ABI behind them, and one
+    at the limit is built."""
+    import northmk.megakernel
     from northmk.native import NativeError
 
     small = dict(hidden_size=256, num_attention_heads=2, num_key_value_heads=1, vocab_size=1024, num_experts=4,
@@ -302,6 +304,10 @@ def test_create_refuses_more_layers_than_its_table_holds():
         kv, _ = noisy_cache(config, 1, 100, seed=26)
         if ok:
             Megakernel(config, weights, kv).close()
-        else:
+            continue
+        with pytest.raises(ValueError, match="at most 128 layers, got 129"):
+            Megakernel(config, weights, kv)
+        with monkeypatch.context() as m:  # past the bindings' check, nmk_mk_create's own
+            m.setattr(northmk.megakernel, "unsupported_reason", lambda config: None)
             with pytest.raises(NativeError, match="at most 128 layers"):
                 Megakernel(config, weights, kv)
