@@ -121,6 +121,21 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+// (value, index) order of an argmax (the LM head's token, the router's picks): larger value,
+// then smaller index.
+__device__ __forceinline__ bool better(float v, int i, float bv, int bi) { return v > bv || (v == bv && i < bi); }
+
+// The best (value, index) of the warp's lanes, in every lane: `better` is a total order, so the
+// result does not depend on the order of the comparisons.
+__device__ __forceinline__ void warp_best(float &v, int &i) {
+#pragma unroll
+    for (int o = 16; o; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, i, o);
+        if (better(ov, oi, v, i)) v = ov, i = oi;
+    }
+}
+
 __device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16(v)); }
 
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {

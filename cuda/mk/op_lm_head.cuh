@@ -6,20 +6,6 @@
 
 namespace nmk::mk {
 
-// (value, index) order of the argmax: larger value, then smaller index.
-__device__ __forceinline__ bool better(float v, int i, float bv, int bi) { return v > bv || (v == bv && i < bi); }
-
-// The best (value, index) of the warp's lanes, in every lane: `better` is a total order, so the
-// result does not depend on the order of the comparisons.
-__device__ __forceinline__ void warp_best(float &v, int &i) {
-#pragma unroll
-    for (int o = 16; o; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
-        const int oi = __shfl_xor_sync(0xffffffffu, i, o);
-        if (better(ov, oi, v, i)) v = ov, i = oi;
-    }
-}
-
 template <int B>
 __device__ void run_lm_head(const Params &p, int tile, char *smem) {
     const int H = p.hidden, rows = p.plan.lm_rows, r0 = tile * rows, n = min(rows, p.vocab - r0);

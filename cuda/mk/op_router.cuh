@@ -57,14 +57,9 @@ __device__ void route(const Params &p, int layer, char *smem) {
 #pragma unroll
             for (int i = 0; i < 4; i++) {
                 const int e = lane + 32 * i;
-                if (e < E && !(mine >> i & 1) && (v[i] > bv || (v[i] == bv && e < bi))) bv = v[i], bi = e;
+                if (e < E && !(mine >> i & 1) && better(v[i], e, bv, bi)) bv = v[i], bi = e;
             }
-#pragma unroll
-            for (int o = 16; o; o >>= 1) {
-                const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-                const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-                if (ov > bv || (ov == bv && oi < bi)) bv = ov, bi = oi;
-            }
+            warp_best(bv, bi);
             if (bi < 128 && (bi & 31) == lane) mine |= 1u << (bi >> 5);
         }
         int base = 0;  // the index of each pick in ascending id
