@@ -321,7 +321,6 @@ __device__ __forceinline__ void stage_bf16(bf16 *dst, const bf16 *src, int rows,
     fence_proxy_async_shared();
 }
 
-
 // common.cuh's gemv() as the megakernel runs it (the mma.sync and mma.sync+pf paths).
 using CommonDot = TileDot;
 

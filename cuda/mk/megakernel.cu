@@ -182,7 +182,8 @@ void check_geometry(const nmk_mk_geometry &g) {
     if (g.num_heads * g.head_dim > nmk::mk::kMaxK) bad("num_heads * head_dim must be <= 4096");
     if (g.moe_inter % 32 || g.dense_inter % 32) bad("intermediate sizes must be multiples of 32");
     if (std::max(g.moe_inter, g.dense_inter) > nmk::mk::kMaxK) bad("intermediate sizes must be <= 4096");
-    if (g.num_layers > nmk::mk::kMaxLayers) bad("the megakernel takes at most " + std::to_string(nmk::mk::kMaxLayers) + " layers");
+    if (g.num_layers > nmk::mk::kMaxLayers)
+        bad("the megakernel takes at most " + std::to_string(nmk::mk::kMaxLayers) + " layers");
     if (g.hidden % 256 || g.hidden > nmk::mk::kMaxK)
         bad("hidden_size must be a multiple of 256, at most 4096");
 }
