@@ -73,8 +73,10 @@ int splits_for(int keys, int page_size, int pages_per_split) {
 
 // Pages per attention split so that one layer's splits of all rows about fill half the SMs
 // (the other half streams expert weights beside them: attention alone draws ~3 TB/s from
-// DRAM at batch 8), and at least kMinSplitPages: a split costs about as much fixed work
-// (queries, partials, ticket, signal) as streaming 8 pages' keys and values of one kv head.
+// DRAM at batch 8), and at least kMinSplitPages: a split's fixed work (its first page's
+// round trips, queries, partials, ticket, signal: ~6.5 us at batch 1) is worth ~9 pages of
+// its loop (0.74 us a page), and at batch 1 the layer is bound by its SMs' summed time, not
+// by attention's chain (12 pages: 1.3% shorter layers than 8; benchmarks/NOTES.md, session 14).
 int pages_per_split(const Geometry &g, int num_sms, const std::vector<int> &lens, int layer) {
     int work = 0;
     for (int len : lens) work += ceil_div(keys_seen(g, layer, len), g.page_size) * g.num_kv_heads;
