@@ -3,6 +3,10 @@
 # that is switched on; logs under $OUT, a short table last.
 #   SANITIZE=1  compute-sanitizer memcheck + racecheck on one step of a small 2-layer model, and
 #               racecheck on tools/racecheck_bulk_probe.cu (the bulk-copy handshakes alone)
+#   SANITIZE_FULL=1  memcheck and racecheck (SANITIZE_FULL_TOOLS) on one step of a 2-layer model of
+#               the full geometry (North Mini Code's widths, 128 experts), the megakernel alone
+#               instrumented: the reference's cuBLAS kernels, which racecheck flags on their own,
+#               run as they are
 #   DIAG=1      per-layer divergence of full-geometry steps (tools/mk_diagnose.py)
 #   TESTS=1     the GPU tests (pytest -k "$1")        BENCH=1  the decode benchmark (args after $1)
 #   SERVER=1    the server's API tests with the engine on the GPU (the tiny model: PyTorch backend)
@@ -14,7 +18,7 @@
 # The wheels the image lacks come from tools/fetch_wheels.sh (carry .whl).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
-SANITIZE=${SANITIZE:-0} DIAG=${DIAG:-0} TESTS=${TESTS:-1} BENCH=${BENCH:-1} SERVER=${SERVER:-0} PEER=${PEER:-0}
+SANITIZE=${SANITIZE:-0} SANITIZE_FULL=${SANITIZE_FULL:-0} DIAG=${DIAG:-0} TESTS=${TESTS:-1} BENCH=${BENCH:-1} SERVER=${SERVER:-0} PEER=${PEER:-0}
 GEMV=${GEMV:-0}
 mkdir -p "$OUT"
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -56,6 +60,19 @@ if [ "$SANITIZE" = 1 ]; then
       python3 tools/mk_diagnose.py --small --layers 2 --contexts 1 200 >"$OUT/sanitize-$tool.log" 2>&1
     rc=$?; san_rc="$san_rc $tool=$rc"
     echo "$tool rc=$rc in $(( $(date +%s) - t0 ))s"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Invalid|hazard|first divergence|^row" "$OUT/sanitize-$tool.log" | head -5
+  done
+fi
+if [ "$SANITIZE_FULL" = 1 ]; then
+  # the kernel filter's option: --kernel-name (current releases) or --filter (older ones)
+  only=(--filter kns=megakernel)
+  compute-sanitizer --help 2>/dev/null | grep -q -- "--kernel-name" && only=(--kernel-name kns=megakernel)
+  for tool in ${SANITIZE_FULL_TOOLS:-memcheck racecheck}; do
+    t0=$(date +%s)
+    timeout ${SANITIZE_FULL_TIMEOUT:-200} compute-sanitizer --tool $tool "${only[@]}" --error-exitcode 9 \
+      --print-limit 20 python3 tools/mk_diagnose.py --layers 2 --contexts 1 200 >"$OUT/sanitize-full-$tool.log" 2>&1
+    rc=$?; san_rc="$san_rc full-$tool=$rc"
+    echo "full-geometry $tool (${only[*]}) rc=$rc in $(( $(date +%s) - t0 ))s"
+    grep -E "SUMMARY|hazard|Invalid|first divergence|^row|rror" "$OUT/sanitize-full-$tool.log" | head -8
   done
 fi
 if [ "$DIAG" = 1 ]; then
