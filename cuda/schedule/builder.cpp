@@ -76,7 +76,7 @@ int splits_for(int keys, int page_size, int pages_per_split) {
 // DRAM at batch 8), and at least kMinSplitPages: a split's fixed work (its first page's
 // round trips, queries, partials, ticket, signal: ~6.5 us at batch 1) is worth ~9 pages of
 // its loop (0.74 us a page), and at batch 1 the layer is bound by its SMs' summed time, not
-// by attention's chain (12 pages: 1.3% shorter layers than 8; benchmarks/NOTES.md, session 14).
+// by attention's chain (12 pages: 1.2% shorter layers than 8; benchmarks/NOTES.md, session 14).
 int pages_per_split(const Geometry &g, int num_sms, const std::vector<int> &lens, int layer) {
     int work = 0;
     for (int len : lens) work += ceil_div(keys_seen(g, layer, len), g.page_size) * g.num_kv_heads;
