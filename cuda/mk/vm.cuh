@@ -73,7 +73,8 @@ __device__ __forceinline__ uint64_t global_ns() {
 // waiting, ran and ended, and which SM ran it. Nothing is prefetched: L2 prefetches of the
 // static weights before the wait cost 1-2.5% of the step, register preloads of a task's first
 // burst 1-3%, a shared-memory preload of the next QKV or router tile's first rows 2-3%: reads
-// added at a layer's tail slow its last tasks (benchmarks/NOTES.md).
+// added at a layer's tail slow its last tasks. A bulk L2 prefetch of the first burst after the
+// wait, while the task stages its input, lost 2.5% too: the tasks got longer (benchmarks/NOTES.md).
 template <int B, class Claim, class Fetch>
 __device__ void run_one(const Params &p, uint32_t i, const nmk_task &t, char *smem, Claim claim, Fetch fetch) {
     const bool timed = p.timing && i < p.timing_capacity;
