@@ -359,23 +359,32 @@ __device__ __forceinline__ uint64_t in_desc(uint32_t in_addr, int k) {
 
 using Wgmma = cute::SM90::GMMA::MMA_64x8x16_F32BF16BF16_RS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
 
+// Independent accumulator chains of a burst: step i of a burst adds into chain i % kChains, so
+// its mmas do not wait for one another's results; the chains add up at the end of the k loop.
+constexpr int kChains = 2;
+
 // The warp's quarter of a warpgroup's wgmmas over S 32-wide steps (both k16 of each) from
-// `desc`, A from lo and hi; waits until they have read the registers.
+// `desc`, A from lo and hi, step i into chain i % kChains; waits until they have read the registers.
 template <int S>
-__device__ __forceinline__ void wgmma_steps(float c[4], const uint4 *lo, const uint4 *hi, uint64_t desc) {
+__device__ __forceinline__ void wgmma_steps(float (&c)[kChains][4], const uint4 *lo, const uint4 *hi, uint64_t desc) {
 #pragma unroll
-    for (int v = 0; v < 4; v++) cute::warpgroup_fence_operand(c[v]);
+    for (int j = 0; j < kChains; j++)
+#pragma unroll
+        for (int v = 0; v < 4; v++) cute::warpgroup_fence_operand(c[j][v]);
     cute::warpgroup_arrive();
 #pragma unroll
     for (int i = 0; i < S; i++) {
         const uint64_t d = desc + i * (kInBlockBytes >> 4);
-        Wgmma::fma(lo[i].x, hi[i].x, lo[i].y, hi[i].y, d, c[0], c[1], c[2], c[3]);
-        Wgmma::fma(lo[i].z, hi[i].z, lo[i].w, hi[i].w, d + (256 >> 4), c[0], c[1], c[2], c[3]);
+        float *a = c[i % kChains];
+        Wgmma::fma(lo[i].x, hi[i].x, lo[i].y, hi[i].y, d, a[0], a[1], a[2], a[3]);
+        Wgmma::fma(lo[i].z, hi[i].z, lo[i].w, hi[i].w, d + (256 >> 4), a[0], a[1], a[2], a[3]);
     }
     cute::warpgroup_commit_batch();
     cute::warpgroup_wait<0>();
 #pragma unroll
-    for (int v = 0; v < 4; v++) cute::warpgroup_fence_operand(c[v]);
+    for (int j = 0; j < kChains; j++)
+#pragma unroll
+        for (int v = 0; v < 4; v++) cute::warpgroup_fence_operand(c[j][v]);
 }
 
 constexpr int kStepsInFlight = 8;  // 32-wide k steps whose weight loads a lane issues together
@@ -390,6 +399,7 @@ __device__ __forceinline__ void tile_dot(const bf16 *lo, const bf16 *hi, uint32_
                                          uint64_t *ready, uint32_t parity) {
     int k = ka;
     uint4 wl[kStepsInFlight], wh[kStepsInFlight];
+    float acc[kChains][4] = {};
 #pragma unroll 1
     for (; k + 32 * kStepsInFlight <= kb; k += 32 * kStepsInFlight) {
 #pragma unroll
@@ -399,19 +409,24 @@ __device__ __forceinline__ void tile_dot(const bf16 *lo, const bf16 *hi, uint32_
         }
         if (ready) mbar_wait(ready, parity);
         if (kWg) {
-            wgmma_steps<kStepsInFlight>(c, wl, wh, in_desc(in_addr, k));
+            wgmma_steps<kStepsInFlight>(acc, wl, wh, in_desc(in_addr, k));
         } else {
 #pragma unroll
-            for (int i = 0; i < kStepsInFlight; i++) mma_k32(c, wl[i], wh[i], load_in_k32(in_addr, k + 32 * i));
+            for (int i = 0; i < kStepsInFlight; i++)
+                mma_k32(acc[i % kChains], wl[i], wh[i], load_in_k32(in_addr, k + 32 * i));
         }
     }
 #pragma unroll 1
     for (; k < kb; k += 32) {
         const uint4 l = load_weight(lo + k), h = load_weight(hi + k);
         if (ready) mbar_wait(ready, parity);
-        if (kWg) wgmma_steps<1>(c, &l, &h, in_desc(in_addr, k));
-        else mma_k32(c, l, h, load_in_k32(in_addr, k));
+        if (kWg) wgmma_steps<1>(acc, &l, &h, in_desc(in_addr, k));
+        else mma_k32(acc[0], l, h, load_in_k32(in_addr, k));
     }
+#pragma unroll
+    for (int j = 0; j < kChains; j++)
+#pragma unroll
+        for (int v = 0; v < 4; v++) c[v] += acc[j][v];
 }
 
 // tile_dot as gemv's k loops; tools/gemv_bench.cu passes others (with shared scratch, mma.sync
