@@ -45,22 +45,26 @@ __device__ void route(const Params &p, int layer, char *smem) {
     }
     __syncthreads();
     // Warp b picks row b's K experts: those that fewer than K experts beat (a larger logit, or
-    // equal and a lower id), one argmax over the warp per pick (lane l holds experts l + 32 i).
+    // equal and a lower id), one max over the warp per pick (lane l holds experts l + 32 i). The
+    // logits are bf16 values, so a 32-bit key orders them as `better` does: the logit's 16 bits
+    // made monotonic (-0 as +0), then 0xffff - id; one redux.sync per pick.
     if (warp < B) {
-        float v[4];
+        uint32_t key[4];
 #pragma unroll
-        for (int i = 0; i < 4; i++) v[i] = lane + 32 * i < E ? r.logit[warp][lane + 32 * i] : -INFINITY;
+        for (int i = 0; i < 4; i++) {
+            const int e = lane + 32 * i;
+            const uint32_t bits = __float_as_uint(e < E ? r.logit[warp][e] + 0.f : 0.f);
+            const uint32_t ordered = (bits & 0x80000000u ? ~bits : bits | 0x80000000u) >> 16;
+            key[i] = e < E ? ordered << 16 | (0xffffu - e) : 0u;  // real keys are > 0
+        }
         unsigned mine = 0;  // bit i: expert lane + 32 i is picked
         for (int pick = 0; pick < K; pick++) {
-            float bv = -INFINITY;
-            int bi = 128;  // past every expert: any real one beats it
+            uint32_t best = 0;
 #pragma unroll
-            for (int i = 0; i < 4; i++) {
-                const int e = lane + 32 * i;
-                if (e < E && !(mine >> i & 1) && better(v[i], e, bv, bi)) bv = v[i], bi = e;
-            }
-            warp_best(bv, bi);
-            if (bi < 128 && (bi & 31) == lane) mine |= 1u << (bi >> 5);
+            for (int i = 0; i < 4; i++)
+                if (!(mine >> i & 1)) best = max(best, key[i]);
+            const int e = 0xffff - (__reduce_max_sync(0xffffffffu, best) & 0xffff);
+            if ((e & 31) == lane) mine |= 1u << (e >> 5);
         }
         int base = 0;  // the index of each pick in ascending id
 #pragma unroll
