@@ -21,9 +21,12 @@
 //   tma/6x32K/box64 both
 // Every output of a sample of tiles is checked against a CPU reference (error relative to the
 // row's sum |w| |x|, 1e-2 at most). One line per (shape, path, batch); exit code 1 on a mismatch.
-//   northmk_gemv_bench [--quick] [--filter SUBSTR]...
+//   northmk_gemv_bench [--quick] [--filter SUBSTR]... [--ctas N] [--pool-mib M]
 //     --quick: 512 MiB of weights, one repetition; --filter: only the paths whose name contains
-//     SUBSTR (repeatable: any of them)
+//     SUBSTR (repeatable: any of them); --ctas: launch N CTAs (default one per SM: what one SM
+//     streams when fewer share the DRAM); --pool-mib: M MiB of weights (small enough, and L2
+//     holds them after the first repetition: what an SM streams from L2). GB/s per SM divides by
+//     the CTAs launched.
 #include <cuda/atomic>
 #include <cuda_runtime.h>
 
@@ -432,11 +435,14 @@ void launch(const Path &p, int grid, const Args &args) {
 int main(int argc, char **argv) {
     bool quick = false;
     std::vector<std::string> filters;
+    int ctas = 0, pool_mib = 0;
     for (int i = 1; i < argc; i++) {
         if (!std::strcmp(argv[i], "--quick")) quick = true;
         else if (!std::strcmp(argv[i], "--filter") && i + 1 < argc) filters.push_back(argv[++i]);
+        else if (!std::strcmp(argv[i], "--ctas") && i + 1 < argc && (ctas = std::atoi(argv[++i])) > 0) continue;
+        else if (!std::strcmp(argv[i], "--pool-mib") && i + 1 < argc && (pool_mib = std::atoi(argv[++i])) > 0) continue;
         else {
-            std::fprintf(stderr, "usage: %s [--quick] [--filter SUBSTR]...\n", argv[0]);
+            std::fprintf(stderr, "usage: %s [--quick] [--filter SUBSTR]... [--ctas N] [--pool-mib M]\n", argv[0]);
             return 2;
         }
     }
@@ -452,18 +458,19 @@ int main(int argc, char **argv) {
         std::fprintf(stderr, "\n");
         return 2;
     }
-    const size_t pool_bytes = quick ? (size_t)512 << 20 : (size_t)2 << 30;
+    const size_t pool_bytes = pool_mib ? (size_t)pool_mib << 20 : quick ? (size_t)512 << 20 : (size_t)2 << 30;
     const int reps = quick ? 1 : 5, samples = quick ? 12 : 40;
 
     int dev = 0, sms = 0, clock_khz = 0, smem_optin = 0;
     CHECK(cudaGetDevice(&dev));
     CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    const int grid = ctas ? ctas : sms;
     CHECK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, dev));
     CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
     cudaDeviceProp prop{};
     CHECK(cudaGetDeviceProperties(&prop, dev));
-    std::printf("%s: %d SMs, %.0f MHz; %zu MiB of weights in %d matrices per shape, %d rep(s)\n", prop.name, sms,
-                clock_khz / 1e3, pool_bytes >> 20, kMatrices, reps);
+    std::printf("%s: %d SMs, %.0f MHz; %zu MiB of weights in %d matrices per shape, %d rep(s), %d CTAs\n", prop.name,
+                sms, clock_khz / 1e3, pool_bytes >> 20, kMatrices, reps, grid);
 
     bf16 *pool = nullptr;
     CHECK(cudaMalloc(&pool, pool_bytes));
@@ -544,7 +551,7 @@ int main(int argc, char **argv) {
                 best[path] = 1e30;
                 for (int r = 0; r < reps + (quick ? 0 : 1); r++) {
                     CHECK(cudaEventRecord(e0));
-                    launch(kPaths[path], sms, args);
+                    launch(kPaths[path], grid, args);
                     CHECK(cudaEventRecord(e1));
                     CHECK(cudaEventSynchronize(e1));
                     CHECK(cudaGetLastError());
@@ -589,8 +596,8 @@ int main(int argc, char **argv) {
                 failed |= !ok;
                 worst_all = std::max(worst_all, worst[path]);
                 std::printf("%-10s %-18s batch %d  %7.1f GB/s  %7.2f us/tile  (%4.1f GB/s per SM)  max err %.2e%s\n",
-                            sh.name, kPaths[path].name, batch, bytes / s / 1e9, s * 1e6 * sms / ntiles,
-                            bytes / s / 1e9 / sms, worst[path], ok ? "" : "  MISMATCH");
+                            sh.name, kPaths[path].name, batch, bytes / s / 1e9, s * 1e6 * grid / ntiles,
+                            bytes / s / 1e9 / grid, worst[path], ok ? "" : "  MISMATCH");
             }
         }
         CHECK(cudaFree(dtiles));
