@@ -125,33 +125,47 @@ def copy_bandwidth() -> float:
 
 # ---- the megakernel ---------------------------------------------------------------------
 
+class DecodeState:
+    """A megakernel decoding `batch` rows at `context` tokens of KV filled with noise, every row
+    on its own pages. step() runs one step on the rows' last tokens into outputs that live
+    across steps, as a serving loop keeps them: the logits, and the sampled tokens in two
+    buffers (a step's input is the other one)."""
+
+    def __init__(self, config, weights, batch: int, context: int):
+        per_row = -(-context // PAGE_SIZE)
+        kv = PagedKVCache(config, [batch * per_row] * len(config.attention_groups), torch.bfloat16, "cuda")
+        for pages in kv.pages:
+            pages.normal_()
+        table = torch.arange(batch * per_row, dtype=torch.int32, device="cuda").view(batch, per_row)
+        self.tables = [table] * len(kv.pages)
+        self.mk = Megakernel(config, weights, kv)
+        self.tokens = torch.randint(0, config.vocab_size, (batch,), dtype=torch.int32, device="cuda")
+        self.positions = [context - 1] * batch
+        self.logits = torch.empty(batch, config.vocab_size, dtype=torch.float32, device="cuda")
+        self.outs = [torch.empty(batch, dtype=torch.int32, device="cuda") for _ in range(2)]
+        self.steps = 0
+
+    def step(self) -> torch.Tensor:
+        """One step, enqueued on the current stream; returns its sampled tokens (device)."""
+        _, self.tokens = self.mk.step(self.tokens, self.positions, self.tables, self.logits, self.outs[self.steps % 2])
+        self.steps += 1
+        return self.tokens
+
+
 def bench_megakernel(config, weights, batch: int, context: int, steps: int, warmup: int = 8) -> dict:
-    per_row = -(-context // PAGE_SIZE)
-    kv = PagedKVCache(config, [batch * per_row] * len(config.attention_groups), torch.bfloat16, "cuda")
-    for pages in kv.pages:
-        pages.normal_()
-    table = torch.arange(batch * per_row, dtype=torch.int32, device="cuda").view(batch, per_row)
-    tables = [table] * len(kv.pages)
-    mk = Megakernel(config, weights, kv)
-    tokens = torch.randint(0, config.vocab_size, (batch,), dtype=torch.int32, device="cuda")
-    positions = [context - 1] * batch
-    # The outputs live across steps, as a serving loop keeps them: the logits, and the sampled
-    # tokens in two buffers (a step's input is the other one).
-    logits = torch.empty(batch, config.vocab_size, dtype=torch.float32, device="cuda")
-    outs = [torch.empty(batch, dtype=torch.int32, device="cuda") for _ in range(2)]
-    for i in range(warmup):
-        _, tokens = mk.step(tokens, positions, tables, logits, outs[i % 2])
+    s = DecodeState(config, weights, batch, context)
+    for _ in range(warmup):
+        s.step()
     torch.cuda.synchronize()
     start = time.perf_counter()
-    for i in range(steps):  # as the native loop runs it: step, then publish tokens to the host
-        _, tokens = mk.step(tokens, positions, tables, logits, outs[(warmup + i) % 2])
-        tokens.tolist()
+    for _ in range(steps):  # as the native loop runs it: step, then publish tokens to the host
+        s.step().tolist()
     seconds = (time.perf_counter() - start) / steps
-    timing, task_times = profile(mk, tokens, positions, tables)
-    mk.enable_debug()  # one more step, traced, for the experts it really routed to
-    mk.step(tokens, positions, tables)
-    distinct = routed_distinct(config, mk.trace(batch).experts)
-    mk.close()
+    timing, task_times = profile(s.mk, s.tokens, s.positions, s.tables)
+    s.mk.enable_debug()  # one more step, traced, for the experts it really routed to
+    s.mk.step(s.tokens, s.positions, s.tables)
+    distinct = routed_distinct(config, s.mk.trace(batch).experts)
+    s.mk.close()
     return {"backend": MEGAKERNEL, "batch": batch, "context": context, "ms_per_step": seconds * 1e3,
             "tok_s": batch / seconds, "distinct_experts": distinct, "profile": timing,
             "task_times": task_times}

@@ -121,8 +121,8 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
-// (value, index) order of an argmax (the LM head's token, the router's picks): larger value,
-// then smaller index.
+// (value, index) order of an argmax (the LM head's token; the router's picks, through 32-bit
+// keys that order the same way): larger value, then smaller index.
 __device__ __forceinline__ bool better(float v, int i, float bv, int bi) { return v > bv || (v == bv && i < bi); }
 
 // The best (value, index) of the warp's lanes, in every lane: `better` is a total order, so the
