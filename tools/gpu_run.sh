@@ -13,12 +13,16 @@
 #   GEMV=1      tools/gemv_bench.cu: the GEMV paths' bandwidth per shape, checked (GEMV_ARGS, e.g. --quick)
 #   PEER=1      the transformers peer alone (bench --peer-only, PEER_ARGS, its own PEER_TIMEOUT: its
 #               torch.compile of the full model takes minutes), into $OUT/peer
+#   NCU=1       ncu --clock-control none on one timed step of the decode bench at batch NCU_BATCH (1):
+#               the step's DRAM bytes read and written, the L2 sectors the SMs read and its hit rate
+#               (NCU_METRICS), by application replay (a kernel replay would save the weights' memory)
 #   tools/gpu_run.sh [pytest -k expr] [bench args...]
 # Pass NORTHMK_COMMIT=$(git rev-parse --short HEAD)[-dirty] from the host: the device copy has no git.
 # The wheels the image lacks come from tools/fetch_wheels.sh (carry .whl).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 SANITIZE=${SANITIZE:-0} SANITIZE_FULL=${SANITIZE_FULL:-0} DIAG=${DIAG:-0} TESTS=${TESTS:-1} BENCH=${BENCH:-1} SERVER=${SERVER:-0} PEER=${PEER:-0}
+NCU=${NCU:-0}
 GEMV=${GEMV:-0}
 mkdir -p "$OUT"
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -38,7 +42,7 @@ export NORTHMK_LIB=$PWD/build/gpu/libnorthmk.so
 echo "build rc=$build_rc in $(( $(date +%s) - t0 ))s"
 [ $build_rc -eq 0 ] || { tail -40 "$OUT/build.log"; exit 1; }
 
-san_rc=- diag_rc=- tests_rc=- bench_rc=- server_rc=- peer_rc=- gemv_rc=-
+san_rc=- diag_rc=- tests_rc=- bench_rc=- server_rc=- peer_rc=- gemv_rc=- ncu_rc=-
 if [ "$GEMV" = 1 ]; then
   t0=$(date +%s)
   cmake --build build/gpu --target northmk_gemv_bench -j 16 >"$OUT/gemv.log" 2>&1 \
@@ -109,10 +113,22 @@ if [ "$PEER" = 1 ]; then
   peer_rc=${PIPESTATUS[0]}
   echo "peer rc=$peer_rc in $(( $(date +%s) - t0 ))s"
 fi
-echo "== summary: build $build_rc, gemv $gemv_rc, sanitize [$san_rc], diag $diag_rc, tests $tests_rc, server $server_rc, bench $bench_rc, peer $peer_rc"
+if [ "$NCU" = 1 ]; then
+  # The bench launches the megakernel for its warm-up step, then its timed ones: skip to the second.
+  t0=$(date +%s)
+  metrics=${NCU_METRICS:-gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sectors_srcunit_tex_op_read.sum,lts__t_sector_hit_rate.pct}
+  timeout ${NCU_TIMEOUT:-240} ncu --clock-control none --replay-mode application --kernel-name regex:megakernel \
+    --launch-skip 2 --launch-count 1 --metrics "$metrics" \
+    python3 -m northmk.bench decode --out "$OUT/ncu-bench" --batch ${NCU_BATCH:-1} --steps 4 --warmup 1 --no-peer \
+    >"$OUT/ncu.log" 2>&1
+  ncu_rc=$?
+  echo "ncu rc=$ncu_rc in $(( $(date +%s) - t0 ))s"
+fi
+echo "== summary: build $build_rc, gemv $gemv_rc, sanitize [$san_rc], diag $diag_rc, tests $tests_rc, server $server_rc, bench $bench_rc, peer $peer_rc, ncu $ncu_rc"
 [ "$GEMV" = 1 ] && tail -30 "$OUT/gemv.log"
 [ "$DIAG" = 1 ] && grep -E "^ +(0|1|2|3|4|48|49) |^row|first divergence|routing errors" "$OUT/diag.log" | head -40
 [ "$TESTS" = 1 ] && grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -3
 [ "$BENCH" = 1 ] && grep -E "^batch|copy bandwidth|span" "$OUT/bench.log"
 [ "$PEER" = 1 ] && grep -E "^batch" "$OUT/peer.log"
+[ "$NCU" = 1 ] && grep -E "megakernel|__|==ERR|==WARN" "$OUT/ncu.log" | tail -12
 exit 0
