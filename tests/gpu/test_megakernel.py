@@ -203,6 +203,32 @@ def test_reduced_layer_steps_match_the_reference(num_layers):
     assert_matches(logits, next_tokens, trace, oracle, other)
 
 
+@pytest.mark.parametrize("router", ["zero", "equal rows"])
+def test_router_ties_pick_the_lowest_expert_ids(router):
+    """Equal router logits (every row of the router zero, or every row the same) tie all 128
+    experts: the kernel must pick experts 0..top_k-1 for every row and layer, as its routing
+    promises (equal keys go to the lower id, -0 counts as +0), and the step must still match
+    the reference given those picks."""
+    config = north(num_layers=3)
+    weights = synthetic_weights(config, torch.bfloat16, "cuda", seed=31)
+    for layer in weights.layers:
+        if layer.router is not None:
+            if router == "zero":
+                layer.router.zero_()
+            else:
+                layer.router.copy_(layer.router[:1].expand_as(layer.router))
+    logits, next_tokens, trace, oracle, other, *_ = step_both(config, weights, [1, 100, 4097, 300])
+    sparse = [l for l, t in enumerate(config.mlp_types) if t != "dense"]
+    assert sparse
+    want = torch.arange(config.top_k, device=trace.experts.device)
+    for l in sparse:
+        for r in range(trace.experts.shape[1]):
+            assert torch.equal(trace.experts[l, r].sort().values, want), (l, r, trace.experts[l, r].tolist())
+    assert torch.isfinite(logits).all()
+    for r in range(logits.shape[0]):
+        assert cosine(logits[r], oracle.logits[r]) >= AGREE, r
+
+
 def test_task_timing_covers_every_task_of_the_step():
     config = north(num_layers=2)
     weights = synthetic_weights(config, torch.bfloat16, "cuda", seed=2)

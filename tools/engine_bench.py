@@ -1,0 +1,134 @@
+"""Decode speed as a client of the engine sees it: AsyncEngine on the megakernel backend at the
+full North Mini Code geometry (random weights, a full-vocabulary tokenizer), B concurrent
+greedy requests with `--context`-token prompts, tokens counted as generate() yields them:
+
+    NORTHMK_LIB=BUILD/libnorthmk.so python tools/engine_bench.py [--batch 1 8] [--context 8192]
+        [--steps 256] [--out DIR]                                 (a CUDA build, an sm_90 GPU)
+
+Per batch: the prompts are prefilled (PyTorch) while earlier rows already decode; once every
+request has yielded its first token the window opens, and it closes when one of them has
+yielded --steps more. tok/s is every token yielded inside the window over its length, so all
+B rows decode for all of it; the rows' KV then holds the prompt plus what they generated
+(mean_keys). The requests are aborted after the window. This is `python -m northmk.bench
+decode`'s step, plus everything the serving loop does around it (the native loop's turn,
+the scheduler's step function, the GPU sampler, detokenizing and the outputs' queues).
+Writes engine-<date>-<commit>.json under --out."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from northmk.bench import datasheet_bandwidth, geometry, git_commit, step_bytes, uniform_distinct
+from northmk.checkpoint import synthetic_weights
+from northmk.config import PAGE_SIZE
+from northmk.engine import AsyncEngine, EngineConfig, GenerationRequest, SamplingParams
+from northmk.engine.mk_runner import MegakernelRunner
+from northmk.engine.runner import TorchRunner, kv_page_counts
+from northmk.tokenizer import Tokenizer
+from northmk.tokenizer_files import write_tokenizer_files
+
+
+async def one_batch(engine: AsyncEngine, batch: int, context: int, steps: int, seed: int) -> dict:
+    rng = random.Random(seed)
+    top = min(250000, engine.model_config.vocab_size - 64)  # below the chat tokens
+    prompts = [[rng.randrange(300, top) for _ in range(context)] for _ in range(batch)]
+    counts = [0] * batch  # tokens yielded so far, per request
+    since_open = [0] * batch  # ... since the window opened
+    w: dict = {}  # the window: opened (time, tokens), then ended (time, tokens)
+    done = asyncio.Event()
+
+    async def run(i: int) -> None:
+        params = SamplingParams(max_tokens=engine.max_model_len - context, temperature=0.0, ignore_eos=True)
+        gen = engine.generate(GenerationRequest(f"b{batch}-{i}", prompts[i], params))
+        try:
+            async for out in gen:
+                n = sum(len(c.token_ids) for c in out.outputs)
+                now = time.perf_counter()
+                first = counts[i] == 0 and n > 0
+                counts[i] += n
+                if first and all(counts) and "opened" not in w:
+                    w["opened"] = (now, sum(counts))
+                elif "opened" in w and not first:
+                    since_open[i] += n
+                    if since_open[i] >= steps and "ended" not in w:
+                        w["ended"] = (now, sum(counts))
+                        done.set()
+                if done.is_set():
+                    return
+        finally:
+            await gen.aclose()  # aborts the request
+
+    tasks = [asyncio.create_task(run(i)) for i in range(batch)]
+    waiter = asyncio.create_task(done.wait())
+    await asyncio.wait([waiter, *tasks], timeout=600, return_when=asyncio.FIRST_COMPLETED)
+    await asyncio.gather(*tasks)  # raises what a request raised
+    if not done.is_set():
+        raise RuntimeError(f"batch {batch}: the window did not close within 600 s")
+    seconds = w["ended"][0] - w["opened"][0]
+    tokens = w["ended"][1] - w["opened"][1]
+    return {"backend": engine.backend, "path": "engine", "batch": batch, "context": context,
+            "mean_keys": context + (w["opened"][1] + w["ended"][1]) / 2 / batch,
+            "window_tokens": tokens, "window_s": seconds, "tok_s": tokens / seconds,
+            "ms_per_step": 1e3 * seconds / (tokens / batch)}
+
+
+async def main(args) -> dict:
+    config = geometry(args.geometry)
+    cuda = args.device == "cuda"
+    device = torch.cuda.get_device_name() if cuda else "cpu"
+    max_len = args.context + 4 * args.steps + 8192 + PAGE_SIZE
+    tok_dir = Path(tempfile.mkdtemp(prefix="northmk-engine-bench-"))
+    write_tokenizer_files(tok_dir, config.vocab_size)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    engine_config = EngineConfig(device=args.device, dtype=str(dtype).split(".")[1], backend=args.backend,
+                                 max_batch=max(args.batch),
+                                 max_model_len=max_len, num_kv_pages=max(args.batch) * -(-max_len // PAGE_SIZE),
+                                 enable_prefix_caching=False)
+    weights = synthetic_weights(config, dtype, args.device, seed=0)
+    runner_class = MegakernelRunner if args.backend == "megakernel" else TorchRunner
+    runner = runner_class(config, weights, kv_page_counts(engine_config, config, max_len, dtype))
+    engine = AsyncEngine(engine_config, tok_dir, runner, Tokenizer.from_pretrained(tok_dir))
+    await engine.start()
+    bandwidth = datasheet_bandwidth(device)
+    result = {"device": device, "commit": git_commit(), "date": datetime.date.today().isoformat(),
+              "command": " ".join(["tools/engine_bench.py", *sys.argv[1:]]), "rows": []}
+    try:
+        for batch in args.batch:
+            row = await one_batch(engine, batch, args.context, args.steps, seed=batch)
+            # Speed of light at the rows' mean KV over the window, under uniform routing (an
+            # estimate: the decode bench counts the step's real routing).
+            if bandwidth:
+                bytes_ = step_bytes(config, batch, row["mean_keys"], uniform_distinct(config, batch))
+                row["sol_fraction_uniform"] = bytes_ / bandwidth * 1e3 / row["ms_per_step"]
+            result["rows"].append(row)
+            print(f"engine batch {batch}: {row['tok_s']:.1f} tok/s, {row['ms_per_step']:.3f} ms/step "
+                  f"({row['window_tokens']} tokens in {row['window_s']:.2f} s)", flush=True)
+    finally:
+        await engine.shutdown()
+    return result
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--context", type=int, default=8192)
+    p.add_argument("--steps", type=int, default=256)
+    p.add_argument("--out", default=".")
+    p.add_argument("--geometry", default="north", help="a checkpoint_writer preset (tiny: a CPU smoke run)")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--backend", default="megakernel", choices=("megakernel", "torch"))
+    a = p.parse_args()
+    res = asyncio.run(main(a))
+    out = Path(a.out) / f"engine-{res['date']}-{res['commit']}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=2))
+    print(f"wrote {out}")
