@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="queued requests beyond which the server answers 503")
     p.add_argument("--num-kv-pages", type=_positive, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--no-decode-ahead", action="store_true",
+                   help="megakernel: wait for each decode step's tokens before enqueuing the next step")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients use in `model` (default: the checkpoint directory's name)")
     p.add_argument("--api-key", default=os.environ.get("NORTHMK_API_KEY") or None,
@@ -107,6 +109,7 @@ def configs(args: argparse.Namespace):
         model=args.model, device=device, dtype=dtype, backend=args.backend, max_batch=args.max_batch,
         max_model_len=args.max_model_len, num_kv_pages=args.num_kv_pages, max_waiting=args.max_waiting,
         enable_prefix_caching=not args.no_prefix_caching, served_model_name=names[0],
+        decode_ahead=not args.no_decode_ahead,
     )
     model = resolve_model(args.model)  # after validation: may build the default model
     engine = dataclasses.replace(engine, model=model)

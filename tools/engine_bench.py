@@ -6,7 +6,7 @@ greedy requests with `--context`-token prompts, tokens counted as generate() yie
         [--steps 256] [--out DIR]                                 (a CUDA build, an sm_90 GPU)
 
 Per batch: the prompts are prefilled (PyTorch) while earlier rows already decode; once every
-request has yielded its first token the window opens, and it closes when one of them has
+request has yielded its first token the window opens, and it closes when every one of them has
 yielded --steps more. tok/s is every token yielded inside the window over its length, so all
 B rows decode for all of it; the rows' KV then holds the prompt plus what they generated
 (mean_keys). The requests are aborted after the window. This is `python -m northmk.bench
@@ -59,7 +59,7 @@ async def one_batch(engine: AsyncEngine, batch: int, context: int, steps: int, s
                     w["opened"] = (now, sum(counts))
                 elif "opened" in w and not first:
                     since_open[i] += n
-                    if since_open[i] >= steps and "ended" not in w:
+                    if min(since_open) >= steps and "ended" not in w:
                         w["ended"] = (now, sum(counts))
                         done.set()
                 if done.is_set():
@@ -88,32 +88,40 @@ async def main(args) -> dict:
     max_len = args.context + 4 * args.steps + 8192 + PAGE_SIZE
     tok_dir = Path(tempfile.mkdtemp(prefix="northmk-engine-bench-"))
     write_tokenizer_files(tok_dir, config.vocab_size)
+    tokenizer = Tokenizer.from_pretrained(tok_dir)
     dtype = torch.bfloat16 if cuda else torch.float32
-    engine_config = EngineConfig(device=args.device, dtype=str(dtype).split(".")[1], backend=args.backend,
-                                 max_batch=max(args.batch),
-                                 max_model_len=max_len, num_kv_pages=max(args.batch) * -(-max_len // PAGE_SIZE),
-                                 enable_prefix_caching=False)
     weights = synthetic_weights(config, dtype, args.device, seed=0)
-    runner_class = MegakernelRunner if args.backend == "megakernel" else TorchRunner
-    runner = runner_class(config, weights, kv_page_counts(engine_config, config, max_len, dtype))
-    engine = AsyncEngine(engine_config, tok_dir, runner, Tokenizer.from_pretrained(tok_dir))
-    await engine.start()
     bandwidth = datasheet_bandwidth(device)
     result = {"device": device, "commit": git_commit(), "date": datetime.date.today().isoformat(),
-              "command": " ".join(["tools/engine_bench.py", *sys.argv[1:]]), "rows": []}
-    try:
-        for batch in args.batch:
-            row = await one_batch(engine, batch, args.context, args.steps, seed=batch)
-            # Speed of light at the rows' mean KV over the window, under uniform routing (an
-            # estimate: the decode bench counts the step's real routing).
-            if bandwidth:
-                bytes_ = step_bytes(config, batch, row["mean_keys"], uniform_distinct(config, batch))
-                row["sol_fraction_uniform"] = bytes_ / bandwidth * 1e3 / row["ms_per_step"]
-            result["rows"].append(row)
-            print(f"engine batch {batch}: {row['tok_s']:.1f} tok/s, {row['ms_per_step']:.3f} ms/step "
-                  f"({row['window_tokens']} tokens in {row['window_s']:.2f} s)", flush=True)
-    finally:
-        await engine.shutdown()
+              "command": " ".join(["tools/engine_bench.py", *sys.argv[1:]]),
+              "switch_interval_s": sys.getswitchinterval(), "rows": []}
+    for ahead in [True, False] if args.both else [not args.no_ahead]:
+        engine_config = EngineConfig(device=args.device, dtype=str(dtype).split(".")[1], backend=args.backend,
+                                     max_batch=max(args.batch), max_model_len=max_len,
+                                     num_kv_pages=max(args.batch) * -(-max_len // PAGE_SIZE),
+                                     enable_prefix_caching=False, decode_ahead=ahead)
+        runner_class = MegakernelRunner if args.backend == "megakernel" else TorchRunner
+        runner = runner_class(config, weights, kv_page_counts(engine_config, config, max_len, dtype))
+        engine = AsyncEngine(engine_config, tok_dir, runner, tokenizer)
+        await engine.start()
+        try:
+            for batch in args.batch:
+                row = await one_batch(engine, batch, args.context, args.steps, seed=batch)
+                row["decode_ahead"] = ahead
+                # Speed of light at the rows' mean KV over the window, under uniform routing (an
+                # estimate: the decode bench counts the step's real routing).
+                if bandwidth:
+                    bytes_ = step_bytes(config, batch, row["mean_keys"], uniform_distinct(config, batch))
+                    row["sol_fraction_uniform"] = bytes_ / bandwidth * 1e3 / row["ms_per_step"]
+                result["rows"].append(row)
+                print(f"engine batch {batch}, decode_ahead {ahead}: {row['tok_s']:.1f} tok/s, "
+                      f"{row['ms_per_step']:.3f} ms/step ({row['window_tokens']} tokens in {row['window_s']:.2f} s)",
+                      flush=True)
+        finally:
+            await engine.shutdown()
+            del engine, runner
+            if cuda:
+                torch.cuda.empty_cache()
     return result
 
 
@@ -126,7 +134,12 @@ if __name__ == "__main__":
     p.add_argument("--geometry", default="north", help="a checkpoint_writer preset (tiny: a CPU smoke run)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--backend", default="megakernel", choices=("megakernel", "torch"))
+    p.add_argument("--no-ahead", action="store_true", help="EngineConfig.decode_ahead off")
+    p.add_argument("--both", action="store_true", help="decode_ahead on, then off, on the same weights")
+    p.add_argument("--switch-interval", type=float, help="sys.setswitchinterval (s) before the engine starts")
     a = p.parse_args()
+    if a.switch_interval:
+        sys.setswitchinterval(a.switch_interval)
     res = asyncio.run(main(a))
     out = Path(a.out) / f"engine-{res['date']}-{res['commit']}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -25,6 +25,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     served_model_name: str | None = None  # None: the checkpoint directory's name
     max_logprobs: int = 20  # the largest top-logprobs count a request may ask for
+    # megakernel: enqueue each decode step before the last one's tokens reach the host
+    decode_ahead: bool = True
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:

@@ -140,16 +140,18 @@ class DrawParams:
         return SampleRow(self.temperature, self.top_k, self.top_p, self.min_p, self.seed & U64, self.counter)
 
 
-def draw_params(row: RowSampler) -> DrawParams | None:
-    """The GPU draw of the row's next token, or None when it needs the host path: logit_bias,
-    penalties, min_tokens still suppressing stops, logits processors (grammars), top logprobs
-    (and a positive temperature below MIN_TEMPERATURE)."""
+def draw_params(row: RowSampler, ahead: int = 0) -> DrawParams | None:
+    """The GPU draw of the row's next token (with ahead = 1, of the token after it), or None
+    when it needs the host path: logit_bias, penalties, min_tokens still suppressing stops,
+    logits processors (grammars), top logprobs (and a positive temperature below
+    MIN_TEMPERATURE)."""
     p = row.params
+    generated = len(row.output_ids) + ahead
     if (p.logit_bias or p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
-            or len(row.output_ids) < p.min_tokens or p.logits_processors or (p.logprobs or 0) > 0
+            or generated < p.min_tokens or p.logits_processors or (p.logprobs or 0) > 0
             or 0 < p.temperature < MIN_TEMPERATURE):
         return None
-    return DrawParams(p.temperature, p.top_k, p.top_p, p.min_p, row.seed, len(row.output_ids))
+    return DrawParams(p.temperature, p.top_k, p.top_p, p.min_p, row.seed, generated)
 
 
 # ---- the CPU twin --------------------------------------------------------------------------

@@ -66,8 +66,18 @@ class MegakernelRunner(TorchRunner):
     def decode(self, tokens: list[int], positions: list[int], block_tables: list[torch.Tensor]) -> torch.Tensor:
         """One token per row at its position (tables [rows, cols] per group); float32 logits
         [rows, V] on the device, enqueued on its current stream (not synchronized)."""
+        return self.decode_on_device(torch.tensor(tokens, dtype=torch.int32), positions, self.device_tables(
+            block_tables, positions))
+
+    def device_tables(self, block_tables: list[torch.Tensor], positions: list[int]) -> list[torch.Tensor]:
+        """The tables' columns up to the last position's page, int32 on the weights' device."""
         cols = max(positions) // PAGE_SIZE + 1  # the kernel reads no page past the last position
+        dev = self.megakernel.weights.device
+        return [t[:, :cols].to(dev, torch.int32).contiguous() for t in block_tables]
+
+    def decode_on_device(self, tokens: torch.Tensor, positions: list[int], tables: list[torch.Tensor]) -> torch.Tensor:
+        """decode() on tokens and tables (device_tables) that may already be on the device, e.g. the
+        previous step's sampled tokens: nothing waits for the device."""
         with torch.cuda.device(self.megakernel.weights.device):  # the loop thread's current device may differ
-            logits, _ = self.megakernel.step(torch.tensor(tokens, dtype=torch.int32), list(positions),
-                                             [t[:, :cols] for t in block_tables])
+            logits, _ = self.megakernel.step(tokens, list(positions), tables)
         return logits

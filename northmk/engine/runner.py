@@ -76,9 +76,16 @@ class TorchRunner:
 
     def decode(self, tokens: list[int], positions: list[int], block_tables: list[torch.Tensor]) -> torch.Tensor:
         """One token per row at its position (tables [rows, cols] per group); float32 logits [rows, V]."""
-        layout = BatchLayout([1] * len(tokens), list(positions), block_tables)
-        ids = torch.tensor(tokens, dtype=torch.long)
-        return self.model.step(ids, layout, self.kv)
+        return self.decode_on_device(torch.tensor(tokens), positions, block_tables)
+
+    def device_tables(self, block_tables: list[torch.Tensor], positions: list[int]) -> list[torch.Tensor]:
+        """The tables as decode_on_device takes them (the megakernel's runner moves them to the GPU)."""
+        return block_tables
+
+    def decode_on_device(self, tokens: torch.Tensor, positions: list[int], tables: list[torch.Tensor]) -> torch.Tensor:
+        """decode() on a tensor of tokens, e.g. the previous step's sampled ones where they lie."""
+        layout = BatchLayout([1] * len(positions), list(positions), tables)
+        return self.model.step(tokens.long(), layout, self.kv)
 
     def copy_page(self, group: int, src: int, dst: int) -> None:
         self.kv.pages[group][dst].copy_(self.kv.pages[group][src])

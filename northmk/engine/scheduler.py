@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from .. import native, telemetry
+from ..config import PAGE_SIZE
 from .config import EngineConfig
 from .gpu_sampling import DrawParams, GpuSampler, draw_params
 from .metrics import EngineMetrics
@@ -55,44 +56,100 @@ class Scheduler:
         self._loop_running = False
         self._park_waiters: list[asyncio.Future] = []
         self._loop_no_space = False
+        self._ahead: _DeviceStep | None = None  # the step enqueued ahead by the last decode_step
+        self._epoch = 0  # parks so far: a step enqueued before a park is not used after it
+        self.ahead_steps_taken = 0  # steps enqueued ahead whose tokens were used
+        self.ahead_rows_dropped = 0  # rows of steps enqueued ahead whose tokens were not used
 
     # ---- the loop thread ----------------------------------------------------------------
     def decode_step(self, batch: native.StepInput) -> tuple[list[int], list[float]]:
         """One decode step for the loop's rows: the model, then sampling (on the device when
-        every row can draw there, else per row on the host)."""
+        every row can draw there, else per row on the host).
+
+        On the device the step after this one is enqueued before this one's tokens are waited
+        for (when every row can draw it there and stays on its page): its input is this step's
+        sampled tokens, already on the device, so the device runs the steps back to back while
+        the host publishes. The next call uses it when its batch is those rows at those
+        positions, and drops it otherwise."""
         seqs = [self.by_kv[int(s)] for s in batch.seqs]
-        slots = torch.from_numpy(batch.slots.astype(np.int64))
-        tables = [torch.from_numpy(self.pool.block_table(g))[slots] for g in self.groups]
-        logits = self.runner.decode(batch.tokens.tolist(), batch.positions.tolist(), tables)
         params = self._device_draw_params(seqs)
         if params is None:
+            self._ahead = None
+            logits = self.runner.decode(batch.tokens.tolist(), batch.positions.tolist(), self._tables(batch))
             results = sample_rows(logits, [s.sampler for s in seqs])
         else:
-            results = self._sample_on_device(logits, params, seqs)
+            step = self._take_ahead(batch)
+            if step is None:
+                positions = batch.positions.tolist()
+                tables = self.runner.device_tables(self._tables(batch), positions)
+                step = self._enqueue(seqs, batch.seqs.tolist(), positions, params,
+                                     torch.from_numpy(batch.tokens.astype(np.int32)), tables)
+            self._ahead = self._enqueue_ahead(step, seqs) if self.config.decode_ahead else None
+            results = step.results()
         for seq, (token, lp) in zip(seqs, results):
             seq.output_ids.append(token)
             seq.pending_logprobs.append(lp)
         return [t for t, _ in results], [lp.logprob if lp else math.nan for _, lp in results]
 
-    def _device_draw_params(self, seqs: list[Sequence]) -> list[DrawParams] | None:
+    def _tables(self, batch: native.StepInput) -> list[torch.Tensor]:
+        slots = torch.from_numpy(batch.slots.astype(np.int64))
+        return [torch.from_numpy(self.pool.block_table(g))[slots] for g in self.groups]
+
+    def _device_draw_params(self, seqs: list[Sequence], ahead: int = 0) -> list[DrawParams] | None:
         """Every row's device draw, or None when there is no device sampler or a row needs the
         host (a processor the device lacks, or top-logprob alternatives)."""
         if self.device_sampler is None:
             return None
-        params = [draw_params(s.sampler) for s in seqs]
+        params = [draw_params(s.sampler, ahead) for s in seqs]
         return None if None in params else params
 
-    def _sample_on_device(self, logits: torch.Tensor, params: list[DrawParams],
-                          seqs: list[Sequence]) -> list[tuple[int, TokenLogprob | None]]:
-        """Draw on the logits' device; one copy brings the B tokens (and their logprobs when a
-        row asked for them) to the host."""
-        tokens, logprobs = self.device_sampler.draw(logits, params)
+    def _enqueue(self, seqs: list[Sequence], ids: list[int], positions: list[int], params: list[DrawParams],
+                 tokens: torch.Tensor, tables: list[torch.Tensor]) -> "_DeviceStep":
+        """The model and the draw on the device, and the tokens' copy to the host; nothing waits.
+        tokens int32 [B] (host, or the device's from the step before), tables on the device."""
+        logits = self.runner.decode_on_device(tokens, positions, tables)
+        drawn, logprobs = self.device_sampler.draw(logits, params)
         want = [s.sampler.params.logprobs is not None for s in seqs]
-        tokens = tokens.to(torch.int32)  # what the logprobs' bits ride along with
-        host = (torch.cat((tokens, logprobs.view(torch.int32))) if any(want) else tokens).cpu()
-        ids = host[:len(seqs)].tolist()
-        values = host[len(seqs):].view(torch.float32).tolist()
-        return [(t, TokenLogprob(t, values[i]) if want[i] else None) for i, t in enumerate(ids)]
+        both = torch.cat((drawn, logprobs.view(torch.int32))) if any(want) else drawn
+        host, done = both, None
+        if both.is_cuda:
+            host = torch.empty(both.shape, dtype=torch.int32, pin_memory=True)
+            host.copy_(both, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        return _DeviceStep(ids, positions, tables, drawn, host, done, want, self._epoch)
+
+    def _enqueue_ahead(self, step: "_DeviceStep", seqs: list[Sequence]) -> "_DeviceStep | None":
+        """The step after `step` for the same rows, fed its sampled tokens; None when a row's next
+        position starts a page (the pool has not given it yet) or its next draw needs the host."""
+        if any((p + 1) % PAGE_SIZE == 0 for p in step.positions):
+            return None
+        if all(s.remaining <= 1 for s in seqs):
+            return None  # every row ends with this step (its length)
+        params = self._device_draw_params(seqs, ahead=1)
+        if params is None:
+            return None
+        return self._enqueue(seqs, step.ids, [p + 1 for p in step.positions], params, step.tokens, step.tables)
+
+    def _take_ahead(self, batch: native.StepInput) -> "_DeviceStep | None":
+        """The step enqueued ahead, when this batch's rows are among its rows at its positions and
+        the loop has not parked since (the batch and the pool may have changed then)."""
+        step, self._ahead = self._ahead, None
+        if step is None:
+            return None
+        if step.epoch != self._epoch:
+            return self._dropped(step)
+        where = {s: i for i, s in enumerate(step.ids)}
+        rows = [where.get(s) for s in batch.seqs.tolist()]
+        if None in rows or [step.positions[r] for r in rows] != batch.positions.tolist():
+            return self._dropped(step)
+        self.ahead_rows_dropped += len(step.ids) - len(rows)
+        self.ahead_steps_taken += 1
+        return step.subset(rows)
+
+    def _dropped(self, step: "_DeviceStep") -> None:
+        self.ahead_rows_dropped += len(step.ids)
+        return None
 
     # ---- events from the loop (event-loop thread) ----------------------------------------
     def on_loop_fd(self) -> None:
@@ -137,6 +194,7 @@ class Scheduler:
     def _parked(self) -> None:
         """The loop is parked: release whoever awaits park()."""
         self._loop_running = False
+        self._epoch += 1
         for fut in self._park_waiters:
             if not fut.done():
                 fut.set_result(None)
@@ -448,3 +506,38 @@ class Scheduler:
         self.metrics.num_requests_running.set(len(running))
         self.metrics.num_requests_waiting.set(len({s.request.request_id for s in self.waiting}))
         self.metrics.kv_cache_usage.set(self.kv_usage())
+
+
+class _DeviceStep:
+    """A decode step enqueued on the device: its rows (pool ids, positions, device tables), its
+    sampled tokens on the device, and their copy on the way to host memory: the computing step's
+    `width` tokens, then their logprobs' bits when a row wants logprobs. A subset of a step
+    (_take_ahead) reads its rows' results at `picks` there."""
+
+    def __init__(self, ids: list[int], positions: list[int], tables: list[torch.Tensor], tokens: torch.Tensor,
+                 host: torch.Tensor, done: torch.cuda.Event | None, want: list[bool], epoch: int):
+        self.ids, self.positions, self.tables, self.tokens = ids, positions, tables, tokens
+        self.host, self.done, self.want, self.epoch = host, done, want, epoch
+        self.width, self.picks = len(ids), list(range(len(ids)))
+
+    def subset(self, rows: list[int]) -> "_DeviceStep":
+        """Its rows `rows` (indices, in order) as a step of their own."""
+        if rows == self.picks:
+            return self
+        index = torch.tensor(rows)
+        if self.tokens.is_cuda:  # enqueued, not waited for: nothing here waits for the device
+            index = index.pin_memory().to(self.tokens.device, non_blocking=True)
+        sub = _DeviceStep([self.ids[r] for r in rows], [self.positions[r] for r in rows],
+                          [t[index] for t in self.tables], self.tokens[index], self.host, self.done,
+                          [self.want[r] for r in rows], self.epoch)
+        sub.width, sub.picks = self.width, [self.picks[r] for r in rows]
+        return sub
+
+    def results(self) -> list[tuple[int, TokenLogprob | None]]:
+        """Waits for the copy; (token, its logprob when the row asked for logprobs) per row."""
+        if self.done is not None:
+            self.done.synchronize()
+        tokens = self.host[:self.width].tolist()
+        values = self.host[self.width:].view(torch.float32).tolist()
+        return [(tokens[p], TokenLogprob(tokens[p], values[p]) if want else None)
+                for p, want in zip(self.picks, self.want)]

@@ -206,3 +206,58 @@ async def test_a_row_that_needs_the_host_takes_the_whole_step_there(make_engine)
     lps = first.outputs[0].logprobs + [lp for out in rest for lp in out.outputs[0].logprobs]
     assert len(lps) == 200 and all(len(lp.top) == 2 for lp in lps)
     assert sampler.draws == []  # every step had the row that needs the host
+
+
+# ---- steps enqueued ahead ----------------------------------------------------------------------
+async def ahead_workload(engine):
+    """Requests one after another, so every engine steps the same rows together: a sampled one
+    with logprobs across a page boundary, two choices of which one stops early on a stop token
+    (a row leaves the batch while the other goes on), a greedy one."""
+    out = [await run(engine, PROMPTS[1], "a", temperature=0.9, seed=3, max_tokens=100, logprobs=0)]
+    request = GenerationRequest("b", PROMPTS[0], SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=90,
+                                                                 stop_token_ids=list(range(300, 360))))
+    choices: dict[int, list[int]] = {}
+    async for item in engine.generate(request):
+        for c in item.outputs:
+            choices.setdefault(c.index, []).extend(c.token_ids)
+    out += [(choices[0], []), (choices[1], [])]
+    out.append(await run(engine, PROMPTS[2], "c", max_tokens=70))
+    return out
+
+
+async def test_steps_enqueued_ahead_give_the_same_tokens_and_logprobs(make_engine):
+    """The scheduler enqueues step t + 1 before it waits for step t's tokens and uses it when the
+    next batch is among its rows at its positions: the tokens, logprobs and draws per row are
+    those of an engine that waits for each step."""
+    ahead_sampler, plain_sampler = ReferenceSampler(), ReferenceSampler()
+    ahead = await make_engine(device_sampler=ahead_sampler)
+    plain = await make_engine(device_sampler=plain_sampler, decode_ahead=False)
+    got, want = await ahead_workload(ahead), await ahead_workload(plain)
+    assert len(got[0][0]) == 100 and len(got[0][1]) == 100
+    assert sorted(len(got[i][0]) for i in (1, 2))[0] < 90, "no choice stopped early: pick another seed"
+    for (ids, lps), (ref_ids, ref_lps) in zip(got, want):
+        assert ids == ref_ids
+        assert [(lp.token_id, lp.logprob) for lp in lps] == [(lp.token_id, lp.logprob) for lp in ref_lps]
+    s = ahead.scheduler
+    assert plain.scheduler.ahead_steps_taken == 0 == plain.scheduler.ahead_rows_dropped
+    assert s.ahead_steps_taken > 150 and s.ahead_rows_dropped > 0  # of ~250 decode steps
+    drawn = sum(len(ids) - 1 for ids, _ in got)  # each row's first token comes from prefill
+    assert sum(map(len, ahead_sampler.draws)) - s.ahead_rows_dropped == drawn == sum(map(len, plain_sampler.draws))
+    # The seeded draws used are the plain engine's, row for row: a step enqueued ahead drew with
+    # the next token's counter. (The greedy request's seed is random per engine.)
+    used = {(p.seed, p.counter) for d in plain_sampler.draws for p in d if p.temperature > 0}
+    assert used and used <= {(p.seed, p.counter) for d in ahead_sampler.draws for p in d}
+
+
+async def test_rows_joining_and_leaving_beside_steps_enqueued_ahead(make_engine):
+    """Concurrent requests (joins park the loop, stops and lengths end rows at any step): every
+    request gets all its tokens, and the draws used are one per token drawn."""
+    sampler = ReferenceSampler()
+    engine = await make_engine(device_sampler=sampler, max_batch=4)
+    asks = [dict(max_tokens=80, temperature=1.0, seed=i, stop_token_ids=[300 + i]) for i in range(6)]
+    results = await asyncio.gather(*[run(engine, PROMPTS[i % 3], f"r{i}", **ask) for i, ask in enumerate(asks)])
+    for (ids, _), ask in zip(results, asks):
+        assert len(ids) == 80 or ids[-1] in ask["stop_token_ids"]
+    s = engine.scheduler
+    assert s.ahead_steps_taken > 0
+    assert sum(map(len, sampler.draws)) - s.ahead_rows_dropped == sum(len(ids) - 1 for ids, _ in results)

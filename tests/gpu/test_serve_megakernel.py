@@ -113,7 +113,8 @@ async def test_greedy_tokens_equal_the_torch_backends(engines, all_routed):
     assert (mk.backend, reference.backend) == ("megakernel", "torch")
     got = await asyncio.gather(*[run(mk, p, f"mk{i}", logprobs=0) for i, p in enumerate(PROMPTS)])
     want = await asyncio.gather(*[run(reference, p, f"ref{i}") for i, p in enumerate(PROMPTS)])
-    assert mk.device_sampler.rows == len(PROMPTS) * (STEPS - 1)  # every decode step drew on the GPU
+    # every decode step drew on the GPU (and steps enqueued ahead drew rows that were not used)
+    assert mk.device_sampler.rows - mk.scheduler.ahead_rows_dropped == len(PROMPTS) * (STEPS - 1)
     for i, (prompt, (ids, lps), (ref_ids, _)) in enumerate(zip(PROMPTS, got, want)):
         assert len(ids) == len(ref_ids) == len(lps) == STEPS
         # The reference on the kernel's own context, step by step: its greedy token, up to a near-tie.
@@ -133,7 +134,8 @@ async def test_seeded_sampling_repeats_and_another_seed_differs(engines):
     first, again = [(await run(mk, PROMPTS[0], f"s{i}", **params))[0] for i in range(2)]
     other = (await run(mk, PROMPTS[0], "other", **{**params, "seed": 8}))[0]
     assert first == again and first != other
-    assert mk.device_sampler.rows == 3 * 31  # the first token comes from prefill, the rest from the GPU
+    # the first token comes from prefill, the rest from the GPU
+    assert mk.device_sampler.rows - mk.scheduler.ahead_rows_dropped == 3 * 31
 
     async def choices(request_id):  # n = 2: choice i draws with seed + i, in the same steps
         out = {}
@@ -145,6 +147,37 @@ async def test_seeded_sampling_repeats_and_another_seed_differs(engines):
 
     a, b = await choices("n2-a"), await choices("n2-b")
     assert a == b and a[0] != a[1]
+
+
+async def test_steps_enqueued_ahead_change_no_token(engines):
+    """Requests run one after another (so each engine steps the same rows together) give the
+    same tokens and logprobs with steps enqueued ahead as without: a sampled one with logprobs
+    across two page boundaries, two choices of which one stops early on a stop token (a row
+    leaves the batch), a greedy one. And the steps enqueued ahead were used, not only dropped."""
+    ahead, plain = await engines(backend="megakernel"), await engines(backend="megakernel", decode_ahead=False)
+
+    async def workload(engine):
+        out = [await run(engine, PROMPTS[0], "a", temperature=0.9, seed=3, max_tokens=100, logprobs=0)]
+        request = GenerationRequest("b", PROMPTS[1], SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=90,
+                                                                     stop_token_ids=list(range(40))))
+        choices: dict[int, list[int]] = {}
+        async for item in engine.generate(request):
+            for c in item.outputs:
+                choices.setdefault(c.index, []).extend(c.token_ids)
+        out += [(choices[0], []), (choices[1], [])]
+        out.append(await run(engine, PROMPTS[3], "c", max_tokens=70))
+        return out
+
+    got, want = await workload(ahead), await workload(plain)
+    assert len(got[0][0]) == 100 and len(got[0][1]) == 100
+    assert min(len(got[1][0]), len(got[2][0])) < 90, "no choice stopped early: pick another seed"
+    for (ids, lps), (ref_ids, ref_lps) in zip(got, want):
+        assert ids == ref_ids
+        assert [(lp.token_id, lp.logprob) for lp in lps] == [(lp.token_id, lp.logprob) for lp in ref_lps]
+    assert plain.scheduler.ahead_steps_taken == 0 == plain.scheduler.ahead_rows_dropped
+    assert ahead.scheduler.ahead_steps_taken > 100
+    drawn = sum(len(ids) - 1 for ids, _ in got)  # each row's first token comes from prefill
+    assert ahead.device_sampler.rows - ahead.scheduler.ahead_rows_dropped == drawn == plain.device_sampler.rows
 
 
 # ---- the real server ----------------------------------------------------------------------
