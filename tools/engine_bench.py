@@ -5,14 +5,15 @@ greedy requests with `--context`-token prompts, tokens counted as generate() yie
     NORTHMK_LIB=BUILD/libnorthmk.so python tools/engine_bench.py [--batch 1 8] [--context 8192]
         [--steps 256] [--out DIR]                                 (a CUDA build, an sm_90 GPU)
 
-Per batch: the prompts are prefilled (PyTorch) while earlier rows already decode; once every
-request has yielded its first token the window opens, and it closes when every one of them has
-yielded --steps more. tok/s is every token yielded inside the window over its length, so all
+Per batch: each prompt is prefilled once (PyTorch) into the prefix cache, then the B requests go
+in together and find their pages there; once every request has yielded its first token the
+window opens, and it closes when every one of them has yielded --steps more. tok/s is every token yielded inside the window over its length, so all
 B rows decode for all of it; the rows' KV then holds the prompt plus what they generated
 (mean_keys). The requests are aborted after the window. This is `python -m northmk.bench
 decode`'s step, plus everything the serving loop does around it (the native loop's turn,
 the scheduler's step function, the GPU sampler, detokenizing and the outputs' queues).
-Writes engine-<date>-<commit>.json under --out."""
+With --both the same requests run with EngineConfig.decode_ahead on, then off (the scheduler
+reads it at every step). Writes engine-<date>-<commit>.json under --out."""
 from __future__ import annotations
 
 import argparse
@@ -37,10 +38,22 @@ from northmk.tokenizer import Tokenizer
 from northmk.tokenizer_files import write_tokenizer_files
 
 
-async def one_batch(engine: AsyncEngine, batch: int, context: int, steps: int, seed: int) -> dict:
+def make_prompts(engine: AsyncEngine, batch: int, context: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     top = min(250000, engine.model_config.vocab_size - 64)  # below the chat tokens
-    prompts = [[rng.randrange(300, top) for _ in range(context)] for _ in range(batch)]
+    return [[rng.randrange(300, top) for _ in range(context)] for _ in range(batch)]
+
+
+async def warm(engine: AsyncEngine, prompts: list[list[int]], tag: str) -> None:
+    """Prefill each prompt once (one token each), so the measured requests find their pages in
+    the prefix cache and all start decoding at once."""
+    for i, prompt in enumerate(prompts):
+        async for _ in engine.generate(GenerationRequest(f"{tag}-warm{i}", prompt, SamplingParams(max_tokens=1))):
+            pass
+
+
+async def one_batch(engine: AsyncEngine, prompts: list[list[int]], steps: int, tag: str) -> dict:
+    batch, context = len(prompts), len(prompts[0])
     counts = [0] * batch  # tokens yielded so far, per request
     since_open = [0] * batch  # ... since the window opened
     w: dict = {}  # the window: opened (time, tokens), then ended (time, tokens)
@@ -48,7 +61,7 @@ async def one_batch(engine: AsyncEngine, batch: int, context: int, steps: int, s
 
     async def run(i: int) -> None:
         params = SamplingParams(max_tokens=engine.max_model_len - context, temperature=0.0, ignore_eos=True)
-        gen = engine.generate(GenerationRequest(f"b{batch}-{i}", prompts[i], params))
+        gen = engine.generate(GenerationRequest(f"{tag}-{i}", prompts[i], params))
         try:
             async for out in gen:
                 n = sum(len(c.token_ids) for c in out.outputs)
@@ -95,18 +108,22 @@ async def main(args) -> dict:
     result = {"device": device, "commit": git_commit(), "date": datetime.date.today().isoformat(),
               "command": " ".join(["tools/engine_bench.py", *sys.argv[1:]]),
               "switch_interval_s": sys.getswitchinterval(), "rows": []}
-    for ahead in [True, False] if args.both else [not args.no_ahead]:
-        engine_config = EngineConfig(device=args.device, dtype=str(dtype).split(".")[1], backend=args.backend,
-                                     max_batch=max(args.batch), max_model_len=max_len,
-                                     num_kv_pages=max(args.batch) * -(-max_len // PAGE_SIZE),
-                                     enable_prefix_caching=False, decode_ahead=ahead)
-        runner_class = MegakernelRunner if args.backend == "megakernel" else TorchRunner
-        runner = runner_class(config, weights, kv_page_counts(engine_config, config, max_len, dtype))
-        engine = AsyncEngine(engine_config, tok_dir, runner, tokenizer)
-        await engine.start()
-        try:
-            for batch in args.batch:
-                row = await one_batch(engine, batch, args.context, args.steps, seed=batch)
+    engine_config = EngineConfig(device=args.device, dtype=str(dtype).split(".")[1], backend=args.backend,
+                                 max_batch=max(args.batch), max_model_len=max_len,
+                                 num_kv_pages=2 * max(args.batch) * -(-max_len // PAGE_SIZE))
+    runner_class = MegakernelRunner if args.backend == "megakernel" else TorchRunner
+    runner = runner_class(config, weights, kv_page_counts(engine_config, config, max_len, dtype))
+    engine = AsyncEngine(engine_config, tok_dir, runner, tokenizer)
+    await engine.start()
+    out = Path(args.out) / f"engine-{result['date']}-{result['commit']}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        for batch in args.batch:
+            prompts = make_prompts(engine, batch, args.context, seed=batch)
+            await warm(engine, prompts, f"b{batch}")
+            for ahead in [True, False] if args.both else [not args.no_ahead]:
+                engine.config.decode_ahead = ahead  # the scheduler reads it at every step
+                row = await one_batch(engine, prompts, args.steps, f"b{batch}-{ahead}")
                 row["decode_ahead"] = ahead
                 # Speed of light at the rows' mean KV over the window, under uniform routing (an
                 # estimate: the decode bench counts the step's real routing).
@@ -114,14 +131,13 @@ async def main(args) -> dict:
                     bytes_ = step_bytes(config, batch, row["mean_keys"], uniform_distinct(config, batch))
                     row["sol_fraction_uniform"] = bytes_ / bandwidth * 1e3 / row["ms_per_step"]
                 result["rows"].append(row)
+                out.write_text(json.dumps(result, indent=2))
                 print(f"engine batch {batch}, decode_ahead {ahead}: {row['tok_s']:.1f} tok/s, "
                       f"{row['ms_per_step']:.3f} ms/step ({row['window_tokens']} tokens in {row['window_s']:.2f} s)",
                       flush=True)
-        finally:
-            await engine.shutdown()
-            del engine, runner
-            if cuda:
-                torch.cuda.empty_cache()
+    finally:
+        await engine.shutdown()
+    print(f"wrote {out}")
     return result
 
 
@@ -140,8 +156,4 @@ if __name__ == "__main__":
     a = p.parse_args()
     if a.switch_interval:
         sys.setswitchinterval(a.switch_interval)
-    res = asyncio.run(main(a))
-    out = Path(a.out) / f"engine-{res['date']}-{res['commit']}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2))
-    print(f"wrote {out}")
+    asyncio.run(main(a))
