@@ -21,6 +21,7 @@ import asyncio
 import datetime
 import json
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -33,7 +34,9 @@ from northmk.checkpoint import synthetic_weights
 from northmk.config import PAGE_SIZE
 from northmk.engine import AsyncEngine, EngineConfig, GenerationRequest, SamplingParams
 from northmk.engine.mk_runner import MegakernelRunner
+from northmk.engine import scheduler as sched
 from northmk.engine.runner import TorchRunner, kv_page_counts
+from northmk.engine.scheduler import Scheduler
 from northmk.tokenizer import Tokenizer
 from northmk.tokenizer_files import write_tokenizer_files
 
@@ -50,6 +53,46 @@ async def warm(engine: AsyncEngine, prompts: list[list[int]], tag: str) -> None:
     for i, prompt in enumerate(prompts):
         async for _ in engine.generate(GenerationRequest(f"{tag}-warm{i}", prompt, SamplingParams(max_tokens=1))):
             pass
+
+
+class StepClock:
+    """perf_counter stamps of the loop thread's decode_step calls and of their waits for the
+    device (the scheduler's _DeviceStep.results), patched in before the engine starts."""
+
+    def __init__(self):
+        self.calls: list[tuple[float, float]] = []  # (call began, call ended)
+        self.waits: list[tuple[float, float]] = []
+        step, results = Scheduler.decode_step, sched._DeviceStep.results
+
+        def timed_step(scheduler, batch):
+            began = time.perf_counter()
+            try:
+                return step(scheduler, batch)
+            finally:
+                self.calls.append((began, time.perf_counter()))
+
+        def timed_results(device_step):
+            began = time.perf_counter()
+            try:
+                return results(device_step)
+            finally:
+                self.waits.append((began, time.perf_counter()))
+
+        Scheduler.decode_step, sched._DeviceStep.results = timed_step, timed_results
+
+    def summary(self, since: float, until: float) -> dict:
+        """Medians (us) over the calls inside [since, until]: a call's host time outside its wait,
+        its wait for the device, and the loop's turn from one call's end to the next's start."""
+        calls = [(a, b) for a, b in self.calls if since <= a and b <= until]
+        waits = [(a, b) for a, b in self.waits if since <= a and b <= until]
+        if len(calls) < 3:
+            return {}
+        if len(waits) != len(calls):  # steps that sampled on the host: no wait of their own
+            waits = [(b, b) for _, b in calls]
+        med = lambda xs: 1e6 * statistics.median(xs)
+        return {"calls": len(calls), "host_us": med([(b - a) - (d - c) for (a, b), (c, d) in zip(calls, waits)]),
+                "wait_us": med([d - c for c, d in waits]),
+                "turn_us": med([n[0] - p[1] for p, n in zip(calls, calls[1:])])}
 
 
 async def one_batch(engine: AsyncEngine, prompts: list[list[int]], steps: int, tag: str) -> dict:
@@ -91,7 +134,7 @@ async def one_batch(engine: AsyncEngine, prompts: list[list[int]], steps: int, t
     return {"backend": engine.backend, "path": "engine", "batch": batch, "context": context,
             "mean_keys": context + (w["opened"][1] + w["ended"][1]) / 2 / batch,
             "window_tokens": tokens, "window_s": seconds, "tok_s": tokens / seconds,
-            "ms_per_step": 1e3 * seconds / (tokens / batch)}
+            "ms_per_step": 1e3 * seconds / (tokens / batch), "window": (w["opened"][0], w["ended"][0])}
 
 
 async def main(args) -> dict:
@@ -114,6 +157,7 @@ async def main(args) -> dict:
     runner_class = MegakernelRunner if args.backend == "megakernel" else TorchRunner
     runner = runner_class(config, weights, kv_page_counts(engine_config, config, max_len, dtype))
     engine = AsyncEngine(engine_config, tok_dir, runner, tokenizer)
+    clock = StepClock()
     await engine.start()
     out = Path(args.out) / f"engine-{result['date']}-{result['commit']}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -125,6 +169,7 @@ async def main(args) -> dict:
                 engine.config.decode_ahead = ahead  # the scheduler reads it at every step
                 row = await one_batch(engine, prompts, args.steps, f"b{batch}-{ahead}")
                 row["decode_ahead"] = ahead
+                row["loop_thread"] = clock.summary(*row.pop("window"))
                 # Speed of light at the rows' mean KV over the window, under uniform routing (an
                 # estimate: the decode bench counts the step's real routing).
                 if bandwidth:
@@ -133,8 +178,8 @@ async def main(args) -> dict:
                 result["rows"].append(row)
                 out.write_text(json.dumps(result, indent=2))
                 print(f"engine batch {batch}, decode_ahead {ahead}: {row['tok_s']:.1f} tok/s, "
-                      f"{row['ms_per_step']:.3f} ms/step ({row['window_tokens']} tokens in {row['window_s']:.2f} s)",
-                      flush=True)
+                      f"{row['ms_per_step']:.3f} ms/step ({row['window_tokens']} tokens in {row['window_s']:.2f} s); "
+                      f"loop thread medians (us): {row['loop_thread']}", flush=True)
     finally:
         await engine.shutdown()
     print(f"wrote {out}")
