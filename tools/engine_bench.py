@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import gc
 import json
 import random
 import statistics
@@ -79,6 +80,14 @@ class StepClock:
                 self.waits.append((began, time.perf_counter()))
 
         Scheduler.decode_step, sched._DeviceStep.results = timed_step, timed_results
+        self.collections: list[tuple[float, float, int]] = []  # Python's gc runs (began, ended, generation)
+        gc.callbacks.append(self._gc)
+
+    def _gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_began = time.perf_counter()
+        else:
+            self.collections.append((self._gc_began, time.perf_counter(), info["generation"]))
 
     def summary(self, since: float, until: float) -> dict:
         """Medians (us) over the calls inside [since, until]: a call's host time outside its wait,
@@ -90,9 +99,16 @@ class StepClock:
         if len(waits) != len(calls):  # steps that sampled on the host: no wait of their own
             waits = [(b, b) for _, b in calls]
         med = lambda xs: 1e6 * statistics.median(xs)
+        period = sorted(n[0] - p[0] for p, n in zip(calls, calls[1:]))
+        gcs = [(b - a, g) for a, b, g in self.collections if since <= a and b <= until]
         return {"calls": len(calls), "host_us": med([(b - a) - (d - c) for (a, b), (c, d) in zip(calls, waits)]),
                 "wait_us": med([d - c for c, d in waits]),
-                "turn_us": med([n[0] - p[1] for p, n in zip(calls, calls[1:])])}
+                "turn_us": med([n[0] - p[1] for p, n in zip(calls, calls[1:])]),
+                "period_us": {"mean": 1e6 * statistics.mean(period), "p50": 1e6 * period[len(period) // 2],
+                              "p90": 1e6 * period[len(period) * 9 // 10], "p99": 1e6 * period[len(period) * 99 // 100],
+                              "max": 1e6 * period[-1]},
+                "gc": {"runs": len(gcs), "us": 1e6 * sum(d for d, _ in gcs),
+                       "max_us": 1e6 * max((d for d, _ in gcs), default=0.0), "gen2": sum(g == 2 for _, g in gcs)}}
 
 
 async def one_batch(engine: AsyncEngine, prompts: list[list[int]], steps: int, tag: str) -> dict:
