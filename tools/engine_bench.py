@@ -6,8 +6,9 @@ greedy requests with `--context`-token prompts, tokens counted as generate() yie
         [--steps 256] [--out DIR]                                 (a CUDA build, an sm_90 GPU)
 
 Per batch: each prompt is prefilled once (PyTorch) into the prefix cache, then the B requests go
-in together and find their pages there; once every request has yielded its first token the
-window opens, and it closes when every one of them has yielded --steps more. tok/s is every token yielded inside the window over its length, so all
+in together and find their pages there (once for a short window not kept, then measured); once
+every request has yielded its first token the window opens, and it closes when every one of
+them has yielded --steps more. tok/s is every token yielded inside the window over its length, so all
 B rows decode for all of it; the rows' KV then holds the prompt plus what they generated
 (mean_keys). The requests are aborted after the window. This is `python -m northmk.bench
 decode`'s step, plus everything the serving loop does around it (the native loop's turn,
@@ -181,6 +182,10 @@ async def main(args) -> dict:
         for batch in args.batch:
             prompts = make_prompts(engine, batch, args.context, seed=batch)
             await warm(engine, prompts, f"b{batch}")
+            # a first window, not kept: a process's first steps of a batch size pay one-time costs
+            # (the kernel schedule of that batch and context, CUDA's lazy loading of the sampler,
+            # first allocations) that stalled one step by 70-140 ms on the H200
+            await one_batch(engine, prompts, 16, f"b{batch}-first")
             for ahead in [True, False] if args.both else [not args.no_ahead]:
                 engine.config.decode_ahead = ahead  # the scheduler reads it at every step
                 row = await one_batch(engine, prompts, args.steps, f"b{batch}-{ahead}")

@@ -58,6 +58,10 @@ class Scheduler:
         self._loop_no_space = False
         self._ahead: _DeviceStep | None = None  # the step enqueued ahead by the last decode_step
         self._epoch = 0  # parks so far: a step enqueued before a park is not used after it
+        # _host_buffer's, allocated before the first step: pinned allocations are slow
+        self._host_buffers = [torch.empty(2 * config.max_batch, dtype=torch.int32, pin_memory=True)
+                              for _ in range(2)] if device_sampler is not None and runner.kv.pages[0].is_cuda else []
+        self._enqueued = 0
         self.ahead_steps_taken = 0  # steps enqueued ahead whose tokens were used
         self.ahead_rows_dropped = 0  # rows of steps enqueued ahead whose tokens were not used
 
@@ -113,11 +117,18 @@ class Scheduler:
         both = torch.cat((drawn, logprobs.view(torch.int32))) if any(want) else drawn
         host, done = both, None
         if both.is_cuda:
-            host = torch.empty(both.shape, dtype=torch.int32, pin_memory=True)
+            host = self._host_buffer()[:len(both)]
             host.copy_(both, non_blocking=True)
             done = torch.cuda.Event()
             done.record()
         return _DeviceStep(ids, positions, tables, drawn, host, done, want, self._epoch)
+
+    def _host_buffer(self) -> torch.Tensor:
+        """Pinned memory for an enqueued step's tokens and logprobs, two buffers in turn: when a
+        step is enqueued, the step enqueued two before it has been waited for and read (or
+        dropped, its copy ordered before this one's on the stream)."""
+        self._enqueued += 1
+        return self._host_buffers[self._enqueued % 2]
 
     def _enqueue_ahead(self, step: "_DeviceStep", seqs: list[Sequence]) -> "_DeviceStep | None":
         """The step after `step` for the same rows, fed its sampled tokens; None when a row's next
