@@ -78,7 +78,8 @@ class Scheduler:
         seqs = [self.by_kv[int(s)] for s in batch.seqs]
         params = self._device_draw_params(seqs)
         if params is None:
-            self._ahead = None
+            if self._ahead is not None:  # enqueued before a park that brought a row needing the host
+                self._ahead = self._dropped(self._ahead)
             logits = self.runner.decode(batch.tokens.tolist(), batch.positions.tolist(), self._tables(batch))
             results = sample_rows(logits, [s.sampler for s in seqs])
         else:

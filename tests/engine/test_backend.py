@@ -261,3 +261,16 @@ async def test_rows_joining_and_leaving_beside_steps_enqueued_ahead(make_engine)
     s = engine.scheduler
     assert s.ahead_steps_taken > 0
     assert sum(map(len, sampler.draws)) - s.ahead_rows_dropped == sum(len(ids) - 1 for ids, _ in results)
+
+    # A row that needs the host joins a row that draws ahead on the device: the step enqueued
+    # ahead before the park is dropped (and counted), and the steps they share sample on the
+    # host: of the device row's 149 decode steps, the 19 shared with the host row's draw there.
+    used = lambda: sum(map(len, sampler.draws)) - s.ahead_rows_dropped  # device draws whose tokens were used
+    before = used()
+    outputs = engine.generate(GenerationRequest("device", PROMPTS[1], SamplingParams(max_tokens=150, ignore_eos=True)))
+    first = await anext(outputs)
+    host_ids, host_lps = await run(engine, PROMPTS[0], "host", max_tokens=20, logprobs=2)
+    rest = [out async for out in outputs]
+    assert len(host_ids) == 20 and all(len(lp.top) == 2 for lp in host_lps)
+    assert len(first.outputs[0].token_ids) + sum(len(o.outputs[0].token_ids) for o in rest) == 150
+    assert used() - before == 149 - 19
