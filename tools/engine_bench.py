@@ -185,12 +185,14 @@ async def main(args) -> dict:
             # a first window, not kept: a process's first steps of a batch size pay one-time costs
             # (the kernel schedule of that batch and context, CUDA's lazy loading of the sampler,
             # first allocations) that stalled one step by 70-140 ms on the H200
-            await one_batch(engine, prompts, 16, f"b{batch}-first")
+            first = await one_batch(engine, prompts, 16, f"b{batch}-first")
+            first_window = clock.summary(*first.pop("window"))
             for ahead in [True, False] if args.both else [not args.no_ahead]:
                 engine.config.decode_ahead = ahead  # the scheduler reads it at every step
                 row = await one_batch(engine, prompts, args.steps, f"b{batch}-{ahead}")
                 row["decode_ahead"] = ahead
                 row["loop_thread"] = clock.summary(*row.pop("window"))
+                row["first_window_period_us"] = first_window.get("period_us")
                 # Speed of light at the rows' mean KV over the window, under uniform routing (an
                 # estimate: the decode bench counts the step's real routing).
                 if bandwidth:

@@ -13,6 +13,8 @@
 #   GEMV=1      tools/gemv_bench.cu: the GEMV paths' bandwidth per shape, checked (GEMV_ARGS, e.g. --quick)
 #   PEER=1      the transformers peer alone (bench --peer-only, PEER_ARGS, its own PEER_TIMEOUT: its
 #               torch.compile of the full model takes minutes), into $OUT/peer
+#   ENGINE=1    tools/engine_bench.py: decode through AsyncEngine on the megakernel backend, decode_ahead
+#               on and off (ENGINE_ARGS, default --batch 1 8 --steps 256 --both), into $OUT
 #   NCU=1       ncu --clock-control none on one timed step of the decode bench at batch NCU_BATCH (1):
 #               the step's DRAM bytes read and written, the L2 sectors the SMs read and its hit rate
 #               (NCU_METRICS), by application replay (a kernel replay would save the weights' memory)
@@ -22,7 +24,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 SANITIZE=${SANITIZE:-0} SANITIZE_FULL=${SANITIZE_FULL:-0} DIAG=${DIAG:-0} TESTS=${TESTS:-1} BENCH=${BENCH:-1} SERVER=${SERVER:-0} PEER=${PEER:-0}
-NCU=${NCU:-0}
+NCU=${NCU:-0} ENGINE=${ENGINE:-0}
 GEMV=${GEMV:-0}
 mkdir -p "$OUT"
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -42,7 +44,7 @@ export NORTHMK_LIB=$PWD/build/gpu/libnorthmk.so
 echo "build rc=$build_rc in $(( $(date +%s) - t0 ))s"
 [ $build_rc -eq 0 ] || { tail -40 "$OUT/build.log"; exit 1; }
 
-san_rc=- diag_rc=- tests_rc=- bench_rc=- server_rc=- peer_rc=- gemv_rc=- ncu_rc=-
+san_rc=- diag_rc=- tests_rc=- bench_rc=- server_rc=- peer_rc=- gemv_rc=- ncu_rc=- engine_rc=-
 if [ "$GEMV" = 1 ]; then
   t0=$(date +%s)
   cmake --build build/gpu --target northmk_gemv_bench -j 16 >"$OUT/gemv.log" 2>&1 \
@@ -106,6 +108,13 @@ if [ "$BENCH" = 1 ]; then
   bench_rc=${PIPESTATUS[0]}
   echo "bench rc=$bench_rc in $(( $(date +%s) - t0 ))s"
 fi
+if [ "$ENGINE" = 1 ]; then
+  t0=$(date +%s)
+  timeout ${ENGINE_TIMEOUT:-300} python3 tools/engine_bench.py ${ENGINE_ARGS:---batch 1 8 --steps 256 --both} \
+    --out "$OUT" 2>&1 | grep -v '^{' | tee "$OUT/engine.log" | tail -6
+  engine_rc=${PIPESTATUS[0]}
+  echo "engine bench rc=$engine_rc in $(( $(date +%s) - t0 ))s"
+fi
 if [ "$PEER" = 1 ]; then
   t0=$(date +%s)
   timeout ${PEER_TIMEOUT:-420} python3 -m northmk.bench decode --peer-only ${PEER_ARGS:---batch 1 8 --steps 256} \
@@ -124,11 +133,12 @@ if [ "$NCU" = 1 ]; then
   ncu_rc=$?
   echo "ncu rc=$ncu_rc in $(( $(date +%s) - t0 ))s"
 fi
-echo "== summary: build $build_rc, gemv $gemv_rc, sanitize [$san_rc], diag $diag_rc, tests $tests_rc, server $server_rc, bench $bench_rc, peer $peer_rc, ncu $ncu_rc"
+echo "== summary: build $build_rc, gemv $gemv_rc, sanitize [$san_rc], diag $diag_rc, tests $tests_rc, server $server_rc, bench $bench_rc, peer $peer_rc, ncu $ncu_rc, engine $engine_rc"
 [ "$GEMV" = 1 ] && tail -30 "$OUT/gemv.log"
 [ "$DIAG" = 1 ] && grep -E "^ +(0|1|2|3|4|48|49) |^row|first divergence|routing errors" "$OUT/diag.log" | head -40
 [ "$TESTS" = 1 ] && grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -3
 [ "$BENCH" = 1 ] && grep -E "^batch|copy bandwidth|span" "$OUT/bench.log"
 [ "$PEER" = 1 ] && grep -E "^batch" "$OUT/peer.log"
+[ "$ENGINE" = 1 ] && grep -E "^engine batch" "$OUT/engine.log" | sed -E 's/; loop thread.*//'
 [ "$NCU" = 1 ] && grep -E "megakernel|__|==ERR|==WARN" "$OUT/ncu.log" | tail -12
 exit 0

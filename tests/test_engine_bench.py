@@ -1,0 +1,23 @@
+"""tools/engine_bench.py on the CPU (the torch backend, the tiny geometry): its window opens and
+closes, and it writes one row per batch with the loop thread's timings."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_engine_bench_writes_a_row_per_batch(tmp_path):
+    command = [sys.executable, "tools/engine_bench.py", "--geometry", "tiny", "--device", "cpu", "--backend", "torch",
+               "--batch", "1", "2", "--context", "100", "--steps", "8", "--out", str(tmp_path)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    [path] = tmp_path.glob("engine-*.json")
+    result = json.loads(path.read_text())
+    assert [r["batch"] for r in result["rows"]] == [1, 2]
+    for row in result["rows"]:
+        assert row["backend"] == "torch" and row["context"] == 100
+        assert row["window_tokens"] >= 8 * row["batch"] and row["tok_s"] > 0
+        assert row["loop_thread"]["calls"] >= 8 and row["first_window_period_us"]["p50"] > 0
