@@ -182,9 +182,8 @@ async def main(args) -> dict:
         for batch in args.batch:
             prompts = make_prompts(engine, batch, args.context, seed=batch)
             await warm(engine, prompts, f"b{batch}")
-            # a first window, not kept: a process's first steps of a batch size pay one-time costs
-            # (the kernel schedule of that batch and context, CUDA's lazy loading of the sampler,
-            # first allocations) that stalled one step by 70-140 ms on the H200
+            # a first window, not kept: the first step at a batch size and context bucket builds
+            # and checks that schedule, 100-190 ms on the H200's host (tools/first_step.py)
             first = await one_batch(engine, prompts, 16, f"b{batch}-first")
             first_window = clock.summary(*first.pop("window"))
             for ahead in [True, False] if args.both else [not args.no_ahead]:

@@ -58,7 +58,7 @@ class Scheduler:
         self._loop_no_space = False
         self._ahead: _DeviceStep | None = None  # the step enqueued ahead by the last decode_step
         self._epoch = 0  # parks so far: a step enqueued before a park is not used after it
-        # _host_buffer's, allocated before the first step: pinned allocations are slow
+        # _host_buffer's, allocated once before the first step rather than a pinned tensor per step
         self._host_buffers = [torch.empty(2 * config.max_batch, dtype=torch.int32, pin_memory=True)
                               for _ in range(2)] if device_sampler is not None and runner.kv.pages[0].is_cuda else []
         self._enqueued = 0
