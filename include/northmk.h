@@ -556,6 +556,14 @@ typedef struct nmk_mk_step_args {
 
 NMK_API nmk_status nmk_mk_step(nmk_mk *mk, const nmk_mk_step_args *args, void *stream);
 
+/* Builds, checks and uploads the schedule that a step of `batch` rows whose longest row holds
+ * `max_len` tokens runs (schedules are cached per batch and power-of-two context bucket; a
+ * step builds its own on first use, 50-200 ms of host time at North Mini Code's geometry).
+ * The one call that may run on another thread while nmk_mk_step runs (not while
+ * nmk_mk_destroy does). NMK_ERR_INVALID_ARGUMENT for a batch outside 1..NMK_MK_MAX_BATCH or
+ * max_len < 1. */
+NMK_API nmk_status nmk_mk_prepare(nmk_mk *mk, uint32_t batch, int32_t max_len);
+
 /* Multiprocessors the megakernel runs on (one CTA each). */
 NMK_API nmk_status nmk_mk_num_sms(const nmk_mk *mk, uint32_t *out);
 

@@ -128,6 +128,8 @@ _PROTOTYPES = {
     "nmk_mk_set_timing": (c_int32, [c_void_p, c_void_p, c_uint32]),
     # nmk_status nmk_mk_step(nmk_mk *, const nmk_mk_step_args *, void *stream)
     "nmk_mk_step": (c_int32, [c_void_p, POINTER(StepArgs), c_void_p]),
+    # nmk_status nmk_mk_prepare(nmk_mk *, uint32_t batch, int32_t max_len)
+    "nmk_mk_prepare": (c_int32, [c_void_p, c_uint32, c_int32]),
 }
 
 
@@ -311,6 +313,12 @@ class Megakernel:
             self._handle = None
 
     __del__ = close
+
+    def prepare(self, batch: int, max_len: int) -> None:
+        """Build, check and upload the schedule a step of `batch` rows whose longest row holds
+        max_len tokens runs, which the step would otherwise build first (50-200 ms of host time
+        at North's geometry). Safe on another thread while steps run; not while close() does."""
+        check(_lib().nmk_mk_prepare(self._handle, batch, max_len))
 
     def enable_debug(self) -> None:
         """Record every later step's per-layer residual, attention and mlp outputs and routing."""

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <climits>
 #include <map>
+#include <mutex>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -50,35 +51,60 @@ int context_bucket(int len) {
 struct nmk_mk {
     nmk::schedule::Geometry geometry;
     nmk::mk::Params params{};  // weights and scratch; per-step fields filled by step()
+    int device = 0;
     int num_sms = 0;
     int num_groups = 0;  // KV page groups the layers use
     std::vector<void *> owned;
     std::map<std::pair<int, int>, DeviceSchedule> schedules;
+    // schedules and owned, which nmk_mk_prepare fills from another thread; a schedule is built
+    // outside it (a map entry stays where it is while others are added)
+    std::mutex mu;
+    cudaStream_t upload = nullptr;  // non-blocking: the uploads wait for no step
 
     ~nmk_mk() {
+        if (upload) cudaStreamDestroy(upload);
         for (void *p : owned) cudaFree(p);
     }
 
     const DeviceSchedule &schedule_for(int batch, int max_len) {
         auto key = std::make_pair(batch, context_bucket(max_len));
-        auto it = schedules.find(key);
-        if (it != schedules.end()) return it->second;
+        {
+            std::lock_guard<std::mutex> lock(mu);
+            auto it = schedules.find(key);
+            if (it != schedules.end()) return it->second;
+        }
         nmk::schedule::Schedule s =
             nmk::schedule::build(geometry, num_sms, std::vector<int>(batch, key.second));
         nmk::schedule::check(geometry, s.plan, s.per_sm, s.queues);
         const nmk::schedule::FlatSchedule f = nmk::schedule::flatten(s);
         const size_t counters = s.plan.num_counters + 1 + s.plan.num_queues;
-        DeviceSchedule d{s.plan, device_alloc<nmk_task>(f.tasks.size(), owned),
-                         device_alloc<uint32_t>(f.sm_offsets.size(), owned),
-                         device_alloc<uint32_t>(f.queue_offsets.size(), owned), device_alloc<uint32_t>(counters, owned)};
-        auto upload = [](void *dst, const void *src, size_t bytes, const char *what) {
-            cuda_check(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice), what);
-        };
-        upload(d.tasks, f.tasks.data(), f.tasks.size() * sizeof(nmk_task), "copy tasks");
-        upload(d.sm_offsets, f.sm_offsets.data(), f.sm_offsets.size() * sizeof(uint32_t), "copy list offsets");
-        upload(d.queue_offsets, f.queue_offsets.data(), f.queue_offsets.size() * sizeof(uint32_t), "copy queue offsets");
-        cuda_check(cudaMemset(d.counters, 0, counters * sizeof(uint32_t)), "zero counters");
-        return schedules.emplace(key, d).first->second;
+        cuda_check(cudaSetDevice(device), "cudaSetDevice");
+        std::vector<void *> mine;
+        DeviceSchedule d{};
+        try {
+            d = DeviceSchedule{s.plan, device_alloc<nmk_task>(f.tasks.size(), mine),
+                               device_alloc<uint32_t>(f.sm_offsets.size(), mine),
+                               device_alloc<uint32_t>(f.queue_offsets.size(), mine),
+                               device_alloc<uint32_t>(counters, mine)};
+            auto upload_bytes = [&](void *dst, const void *src, size_t bytes, const char *what) {
+                cuda_check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, upload), what);
+            };
+            upload_bytes(d.tasks, f.tasks.data(), f.tasks.size() * sizeof(nmk_task), "copy tasks");
+            upload_bytes(d.sm_offsets, f.sm_offsets.data(), f.sm_offsets.size() * sizeof(uint32_t),
+                         "copy list offsets");
+            upload_bytes(d.queue_offsets, f.queue_offsets.data(), f.queue_offsets.size() * sizeof(uint32_t),
+                         "copy queue offsets");
+            cuda_check(cudaMemsetAsync(d.counters, 0, counters * sizeof(uint32_t), upload), "zero counters");
+            cuda_check(cudaStreamSynchronize(upload), "upload the schedule");
+        } catch (...) {
+            for (void *p : mine) cudaFree(p);
+            throw;
+        }
+        std::lock_guard<std::mutex> lock(mu);
+        auto [it, fresh] = schedules.emplace(key, d);
+        if (fresh) owned.insert(owned.end(), mine.begin(), mine.end());
+        else for (void *p : mine) cudaFree(p);  // another thread built it meanwhile
+        return it->second;
     }
 };
 
@@ -220,6 +246,8 @@ NMK_API nmk_status nmk_mk_create(const nmk_mk_geometry *geometry, const nmk_mk_w
         }
         if (per_sm < 1) throw nmk::Error(NMK_ERR_UNSUPPORTED, "the megakernel's CTA does not fit on an SM");
         mk->num_sms = prop.multiProcessorCount;
+        mk->device = device;
+        cuda_check(cudaStreamCreateWithFlags(&mk->upload, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
         auto &p = mk->params;
         p.hidden = geometry->hidden, p.num_layers = geometry->num_layers, p.num_heads = geometry->num_heads;
         p.num_kv_heads = geometry->num_kv_heads, p.num_experts = geometry->num_experts, p.top_k = geometry->top_k;
@@ -265,6 +293,17 @@ NMK_API nmk_status nmk_mk_set_timing(nmk_mk *mk, uint64_t *buffer, uint32_t capa
     mk->params.timing = buffer;
     mk->params.timing_capacity = buffer ? capacity : 0;
     return NMK_OK;
+}
+
+NMK_API nmk_status nmk_mk_prepare(nmk_mk *mk, uint32_t batch, int32_t max_len) {
+    NMK_REQUIRE(mk, "nmk_mk_prepare: NULL argument");
+    NMK_REQUIRE(batch >= 1 && batch <= NMK_MK_MAX_BATCH, "nmk_mk_prepare: batch must be in [1, %d], got %u",
+                NMK_MK_MAX_BATCH, batch);
+    NMK_REQUIRE(max_len >= 1, "nmk_mk_prepare: max_len must be >= 1, got %d", max_len);
+    return nmk::guard("nmk_mk_prepare", [&] {
+        mk->schedule_for(static_cast<int>(batch), max_len);
+        return NMK_OK;
+    });
 }
 
 NMK_API nmk_status nmk_mk_step(nmk_mk *mk, const nmk_mk_step_args *a, void *stream) {

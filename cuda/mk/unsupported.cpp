@@ -23,6 +23,9 @@ NMK_API nmk_status nmk_mk_set_timing(nmk_mk *, uint64_t *, uint32_t) {
 NMK_API nmk_status nmk_mk_step(nmk_mk *, const nmk_mk_step_args *, void *) {
     return nmk::fail(NMK_ERR_UNSUPPORTED, "nmk_mk_step: libnorthmk was built without CUDA");
 }
+NMK_API nmk_status nmk_mk_prepare(nmk_mk *, uint32_t, int32_t) {
+    return nmk::fail(NMK_ERR_UNSUPPORTED, "nmk_mk_prepare: libnorthmk was built without CUDA");
+}
 
 }  // extern "C"
 #endif

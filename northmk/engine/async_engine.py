@@ -72,6 +72,8 @@ class AsyncEngine:
             raise RuntimeError("engine already started")
         self.scheduler = Scheduler(self.config, self.runner, self.pool, self.metrics, self.eos_ids,
                                    device_sampler=self.device_sampler)
+        if isinstance(self.runner, MegakernelRunner):
+            self.runner.prepare_schedules(self.config.max_batch, self.max_model_len)
         asyncio.get_running_loop().add_reader(self.scheduler.fd, self.scheduler.on_loop_fd)
         self._task = asyncio.create_task(self.scheduler.run(), name="northmk-scheduler")
         self._accepting = True
@@ -94,6 +96,7 @@ class AsyncEngine:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         await s.close()
+        await asyncio.to_thread(self.runner.close)  # waits for a schedule being built, if any
         self.pool.close()
 
     # ---- health and numbers ----------------------------------------------------------------

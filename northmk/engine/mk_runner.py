@@ -7,14 +7,19 @@ steps (loop thread) are enqueued on the device's default stream, so they never o
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from ..config import PAGE_SIZE, ModelConfig
 from ..megakernel import MAX_BATCH, Megakernel, Schedule, unsupported_reason
 from ..model.weights import ModelWeights
+from .. import telemetry
 from ..native._lib import NativeError, load
 from .config import EngineConfig
 from .runner import TorchRunner
+
+log = telemetry.get_logger("northmk.engine")
 
 
 def megakernel_unavailable(engine: EngineConfig, model: ModelConfig) -> str | None:
@@ -62,6 +67,36 @@ class MegakernelRunner(TorchRunner):
     def __init__(self, model_config: ModelConfig, weights: ModelWeights, num_pages: list[int]):
         super().__init__(model_config, weights, num_pages)
         self.megakernel = Megakernel(model_config, weights, self.kv)
+        self._preparing: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def prepare_schedules(self, max_batch: int, max_len: int) -> None:
+        """Builds on a background thread the kernel schedule of every batch size up to max_batch
+        at every context bucket up to max_len, shortest first: a step would otherwise build its
+        own on first use and stall the decode loop 100-190 ms (H200, North's geometry). The
+        native calls release the GIL; close() stops it between schedules."""
+        buckets = [64]
+        while buckets[-1] < max_len:
+            buckets.append(2 * buckets[-1])
+
+        def run() -> None:
+            for bucket in buckets:
+                for batch in range(1, max_batch + 1):
+                    if self._stop.is_set():
+                        return
+                    try:
+                        self.megakernel.prepare(batch, bucket)
+                    except NativeError as exc:  # the step that needs it will say why
+                        log.warning("schedule preparation stopped", batch=batch, bucket=bucket, error=exc.message)
+                        return
+
+        self._preparing = threading.Thread(target=run, name="northmk-schedules", daemon=True)
+        self._preparing.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._preparing is not None:
+            self._preparing.join()
 
     def decode(self, tokens: list[int], positions: list[int], block_tables: list[torch.Tensor]) -> torch.Tensor:
         """One token per row at its position (tables [rows, cols] per group); float32 logits

@@ -87,5 +87,8 @@ class TorchRunner:
         layout = BatchLayout([1] * len(positions), list(positions), tables)
         return self.model.step(tokens.long(), layout, self.kv)
 
+    def close(self) -> None:
+        """Stops the backend's background work (the megakernel's schedule preparation)."""
+
     def copy_page(self, group: int, src: int, dst: int) -> None:
         self.kv.pages[group][dst].copy_(self.kv.pages[group][src])

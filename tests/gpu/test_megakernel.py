@@ -229,6 +229,44 @@ def test_router_ties_pick_the_lowest_expert_ids(router):
         assert cosine(logits[r], oracle.logits[r]) >= AGREE, r
 
 
+def test_a_schedule_prepared_on_another_thread_serves_the_step_that_needs_it(full):
+    """nmk_mk_prepare builds a (batch, context bucket)'s schedule while steps of another run; the
+    step that then needs it starts without building it (a first step at full geometry builds
+    and checks one for ~100-200 ms) and computes what a Megakernel without it computes."""
+    import threading
+    import time
+
+    from northmk.native import NativeError
+
+    config, weights = full
+    kv, tables = noisy_cache(config, 2, 3000, seed=41)
+    mk = Megakernel(config, weights, kv)
+    tokens = torch.tensor([5, 6], dtype=torch.int32, device="cuda")
+    preparing = threading.Thread(target=mk.prepare, args=(2, 2999))  # bucket 4096
+    preparing.start()
+    while preparing.is_alive():  # bucket 64 meanwhile (its own schedule built by the first)
+        mk.step(tokens, [10, 20], tables)
+        torch.cuda.synchronize()
+    preparing.join()
+
+    def first_step(megakernel):
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        logits, _ = megakernel.step(tokens, [10, 2999], tables)
+        torch.cuda.synchronize()
+        return logits, time.perf_counter() - began
+
+    fresh = Megakernel(config, weights, copy_cache(config, kv))
+    want, unprepared_s = first_step(fresh)
+    got, prepared_s = first_step(mk)
+    assert torch.equal(got, want)
+    assert prepared_s < 0.03 < unprepared_s, (prepared_s, unprepared_s)
+    with pytest.raises(NativeError, match="batch must be in"):
+        mk.prepare(9, 100)
+    with pytest.raises(NativeError, match="max_len must be >= 1"):
+        mk.prepare(1, 0)
+
+
 def test_task_timing_covers_every_task_of_the_step():
     config = north(num_layers=2)
     weights = synthetic_weights(config, torch.bfloat16, "cuda", seed=2)
