@@ -94,11 +94,15 @@ class StepClock:
         """Medians (us) over the calls inside [since, until]: a call's host time outside its wait,
         its wait for the device, and the loop's turn from one call's end to the next's start."""
         calls = [(a, b) for a, b in self.calls if since <= a and b <= until]
-        waits = [(a, b) for a, b in self.waits if since <= a and b <= until]
         if len(calls) < 3:
             return {}
-        if len(waits) != len(calls):  # steps that sampled on the host: no wait of their own
-            waits = [(b, b) for _, b in calls]
+        # each call's wait inside it (none: the step sampled on the host)
+        waits, i = [], 0
+        for a, b in calls:
+            while i < len(self.waits) and self.waits[i][0] < a:
+                i += 1
+            inside = i < len(self.waits) and self.waits[i][1] <= b
+            waits.append(self.waits[i] if inside else (b, b))
         med = lambda xs: 1e6 * statistics.median(xs)
         period = sorted(n[0] - p[0] for p, n in zip(calls, calls[1:]))
         gcs = [(b - a, g) for a, b, g in self.collections if since <= a and b <= until]
