@@ -20,6 +20,7 @@ from northmk.engine import AsyncEngine, EngineConfig, GenerationRequest, Samplin
 from northmk.engine.gpu_sampling import DrawParams, reference_draw
 from northmk.engine.mk_runner import megakernel_unavailable
 from northmk.serve import build_parser, configs, main
+from tests.server.helpers import ahead_workload
 
 PROMPTS = [[2, 17, 99, 301, 5], [2] + list(range(40, 110)), [2, 900, 901]]
 MK_GPU = EngineConfig(device="cuda", dtype="bfloat16")
@@ -209,22 +210,6 @@ async def test_a_row_that_needs_the_host_takes_the_whole_step_there(make_engine)
 
 
 # ---- steps enqueued ahead ----------------------------------------------------------------------
-async def ahead_workload(engine):
-    """Requests one after another, so every engine steps the same rows together: a sampled one
-    with logprobs across a page boundary, two choices of which one stops early on a stop token
-    (a row leaves the batch while the other goes on), a greedy one."""
-    out = [await run(engine, PROMPTS[1], "a", temperature=0.9, seed=3, max_tokens=100, logprobs=0)]
-    request = GenerationRequest("b", PROMPTS[0], SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=90,
-                                                                 stop_token_ids=list(range(300, 360))))
-    choices: dict[int, list[int]] = {}
-    async for item in engine.generate(request):
-        for c in item.outputs:
-            choices.setdefault(c.index, []).extend(c.token_ids)
-    out += [(choices[0], []), (choices[1], [])]
-    out.append(await run(engine, PROMPTS[2], "c", max_tokens=70))
-    return out
-
-
 async def test_steps_enqueued_ahead_give_the_same_tokens_and_logprobs(make_engine):
     """The scheduler enqueues step t + 1 before it waits for step t's tokens and uses it when the
     next batch is among its rows at its positions: the tokens, logprobs and draws per row are
@@ -232,7 +217,8 @@ async def test_steps_enqueued_ahead_give_the_same_tokens_and_logprobs(make_engin
     ahead_sampler, plain_sampler = ReferenceSampler(), ReferenceSampler()
     ahead = await make_engine(device_sampler=ahead_sampler)
     plain = await make_engine(device_sampler=plain_sampler, decode_ahead=False)
-    got, want = await ahead_workload(ahead), await ahead_workload(plain)
+    prompts, stops = [PROMPTS[1], PROMPTS[0], PROMPTS[2]], list(range(300, 360))
+    got, want = await ahead_workload(ahead, run, prompts, stops), await ahead_workload(plain, run, prompts, stops)
     assert len(got[0][0]) == 100 and len(got[0][1]) == 100
     assert sorted(len(got[i][0]) for i in (1, 2))[0] < 90, "no choice stopped early: pick another seed"
     for (ids, lps), (ref_ids, ref_lps) in zip(got, want):

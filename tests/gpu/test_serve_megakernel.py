@@ -26,7 +26,7 @@ import pytest
 from northmk.checkpoint_writer import config_dict, write_checkpoint
 from northmk.engine import AsyncEngine, EngineConfig, GenerationRequest, SamplingParams
 from northmk.engine.gpu_sampling import GpuSampler
-from tests.server.helpers import PERSON, free_port, serve_env, wait_healthy
+from tests.server.helpers import PERSON, ahead_workload, free_port, serve_env, wait_healthy
 
 pytestmark = pytest.mark.gpu
 
@@ -156,19 +156,8 @@ async def test_steps_enqueued_ahead_change_no_token(engines):
     leaves the batch), a greedy one. And the steps enqueued ahead were used, not only dropped."""
     ahead, plain = await engines(backend="megakernel"), await engines(backend="megakernel", decode_ahead=False)
 
-    async def workload(engine):
-        out = [await run(engine, PROMPTS[0], "a", temperature=0.9, seed=3, max_tokens=100, logprobs=0)]
-        request = GenerationRequest("b", PROMPTS[1], SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=90,
-                                                                     stop_token_ids=list(range(40))))
-        choices: dict[int, list[int]] = {}
-        async for item in engine.generate(request):
-            for c in item.outputs:
-                choices.setdefault(c.index, []).extend(c.token_ids)
-        out += [(choices[0], []), (choices[1], [])]
-        out.append(await run(engine, PROMPTS[3], "c", max_tokens=70))
-        return out
-
-    got, want = await workload(ahead), await workload(plain)
+    prompts, stops = [PROMPTS[0], PROMPTS[1], PROMPTS[3]], list(range(40))
+    got, want = await ahead_workload(ahead, run, prompts, stops), await ahead_workload(plain, run, prompts, stops)
     assert len(got[0][0]) == 100 and len(got[0][1]) == 100
     assert min(len(got[1][0]), len(got[2][0])) < 90, "no choice stopped early: pick another seed"
     for (ids, lps), (ref_ids, ref_lps) in zip(got, want):

@@ -110,3 +110,24 @@ def wait_healthy(url: str, process: subprocess.Popen) -> None:
         except OSError:
             time.sleep(0.2)
     raise AssertionError("server did not become healthy")
+
+
+# ---- engine workloads shared by the CPU and GPU engine tests --------------------------------
+async def ahead_workload(engine, run, prompts: list[list[int]], stop_ids: list[int]) -> list:
+    """Requests one after another, so every engine steps the same rows together: a sampled one
+    with logprobs (prompts[0], 100 tokens: across page boundaries), two choices of which one
+    should stop early on one of stop_ids (a row leaves the batch while the other goes on;
+    prompts[1]), a greedy one (prompts[2]). run(engine, prompt, request_id, **params) ->
+    (ids, logprobs) of choice 0; returns (ids, logprobs) per row, the choices' logprobs empty."""
+    from northmk.engine import GenerationRequest, SamplingParams
+
+    out = [await run(engine, prompts[0], "a", temperature=0.9, seed=3, max_tokens=100, logprobs=0)]
+    request = GenerationRequest("b", prompts[1], SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=90,
+                                                                 stop_token_ids=stop_ids))
+    choices: dict[int, list[int]] = {}
+    async for item in engine.generate(request):
+        for c in item.outputs:
+            choices.setdefault(c.index, []).extend(c.token_ids)
+    out += [(choices[0], []), (choices[1], [])]
+    out.append(await run(engine, prompts[2], "c", max_tokens=70))
+    return out
