@@ -2,7 +2,8 @@
 
 Both write the same paged KV arena: prefill through the reference model, decode inside the
 kernel (each step's k, v go to its rows' pages). Prefill chunks (executor thread) and decode
-steps (loop thread) are enqueued on the device's default stream, so they never overlap.
+steps (loop thread) are enqueued on the device's default stream, so they never overlap; the
+kernel's schedules, prepared on a thread of their own, upload on a stream of their own.
 """
 
 from __future__ import annotations
@@ -11,10 +12,10 @@ import threading
 
 import torch
 
+from .. import telemetry
 from ..config import PAGE_SIZE, ModelConfig
 from ..megakernel import MAX_BATCH, Megakernel, Schedule, unsupported_reason
 from ..model.weights import ModelWeights
-from .. import telemetry
 from ..native._lib import NativeError, load
 from .config import EngineConfig
 from .runner import TorchRunner

@@ -533,8 +533,8 @@ class _DeviceStep:
         self.width, self.picks = len(ids), list(range(len(ids)))
 
     def subset(self, rows: list[int]) -> "_DeviceStep":
-        """Its rows `rows` (indices, in order) as a step of their own."""
-        if rows == self.picks:
+        """Its rows `rows` (indices, in order) as a step of their own (of a step _enqueue made)."""
+        if rows == list(range(len(self.ids))):
             return self
         index = torch.tensor(rows)
         if self.tokens.is_cuda:  # enqueued, not waited for: nothing here waits for the device
