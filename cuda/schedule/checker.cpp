@@ -271,26 +271,27 @@ void check_queue_waits(const nmk_plan &p, const View &v) {
     for (const Entry &en : v.tasks) {
         int c = en.t->wait;
         if (c < 0) continue;
-        std::string waiter = "may deadlock: " + describe(en) + " waits on counter " + std::to_string(c) + ", which ";
+        // formatted only for a failure: every waiting task passes through here
+        auto waiter = [&] { return "may deadlock: " + describe(en) + " waits on counter " + std::to_string(c) + ", which "; };
         if (!en.queued) {
             for (const auto &[q, i] : in_queue[c])
                 if (v.drain_at[en.owner][q] > en.pos)
-                    fail(waiter + signaller(true, q, i) + " signals, yet it comes before DRAIN(" + std::to_string(q) +
+                    fail(waiter() + signaller(true, q, i) + " signals, yet it comes before DRAIN(" + std::to_string(q) +
                          ") in its list");
             continue;
         }
         int q = en.owner;
         for (const auto &[s, k] : in_list[c])
             if (k > v.drain_at[s][q])
-                fail(waiter + signaller(false, s, k) + " signals after DRAIN(" + std::to_string(q) + ") in its list");
+                fail(waiter() + signaller(false, s, k) + " signals after DRAIN(" + std::to_string(q) + ") in its list");
         for (const auto &[q2, i] : in_queue[c]) {
             if (q2 == q) {
-                if (i >= en.pos) fail(waiter + signaller(true, q2, i) + " signals, not earlier in the queue");
+                if (i >= en.pos) fail(waiter() + signaller(true, q2, i) + " signals, not earlier in the queue");
                 continue;
             }
             for (size_t s = 0; s < v.per_sm.size(); s++)
                 if (v.drain_at[s][q2] > v.drain_at[s][q])
-                    fail(waiter + signaller(true, q2, i) + " signals, but DRAIN(" + std::to_string(q2) +
+                    fail(waiter() + signaller(true, q2, i) + " signals, but DRAIN(" + std::to_string(q2) +
                          ") comes after DRAIN(" + std::to_string(q) + ") in SM " + std::to_string(s) + "'s list");
         }
     }
