@@ -558,7 +558,7 @@ NMK_API nmk_status nmk_mk_step(nmk_mk *mk, const nmk_mk_step_args *args, void *s
 
 /* Builds, checks and uploads the schedule that a step of `batch` rows whose longest row holds
  * `max_len` tokens runs (schedules are cached per batch and power-of-two context bucket; a
- * step builds its own on first use, 50-200 ms of host time at North Mini Code's geometry).
+ * step builds its own on first use, tens of ms of host time at North Mini Code's geometry).
  * The one call that may run on another thread while nmk_mk_step runs (not while
  * nmk_mk_destroy does). NMK_ERR_INVALID_ARGUMENT for a batch outside 1..NMK_MK_MAX_BATCH or
  * max_len < 1. */

@@ -316,7 +316,7 @@ class Megakernel:
 
     def prepare(self, batch: int, max_len: int) -> None:
         """Build, check and upload the schedule a step of `batch` rows whose longest row holds
-        max_len tokens runs, which the step would otherwise build first (50-200 ms of host time
+        max_len tokens runs, which the step would otherwise build first (tens of ms of host time
         at North's geometry). Safe on another thread while steps run; not while close() does."""
         check(_lib().nmk_mk_prepare(self._handle, batch, max_len))
 

@@ -187,7 +187,8 @@ async def main(args) -> dict:
             prompts = make_prompts(engine, batch, args.context, seed=batch)
             await warm(engine, prompts, f"b{batch}")
             # a first window, not kept: the first step at a batch size and context bucket builds
-            # and checks that schedule, 100-190 ms on the H200's host (tools/first_step.py)
+            # and checks that schedule (100-190 ms on the H200's host at 2c1e446, tools/first_step.py)
+            # unless the engine's background preparation got there first
             first = await one_batch(engine, prompts, 16, f"b{batch}-first")
             first_window = clock.summary(*first.pop("window"))
             for ahead in [True, False] if args.both else [not args.no_ahead]:

@@ -74,7 +74,8 @@ class MegakernelRunner(TorchRunner):
     def prepare_schedules(self, max_batch: int, max_len: int) -> None:
         """Builds on a background thread the kernel schedule of every batch size up to max_batch
         at every context bucket up to max_len, shortest first: a step would otherwise build its
-        own on first use and stall the decode loop 100-190 ms (H200, North's geometry). The
+        own on first use and stall the decode loop (100-190 ms on the H200 at North's geometry before
+        the checker's message fix, 40-60 ms of check on the build host after it). The
         native calls release the GIL; close() stops it between schedules."""
         buckets = [64]
         while buckets[-1] < max_len:
