@@ -13,15 +13,25 @@ def plotting_available() -> bool:
     return importlib.util.find_spec("matplotlib") is not None
 
 
+def backend_label(row: dict) -> str:
+    """The backend, and for tools/engine_bench.py's rows "through the engine" (with "each step
+    waited for" when decode_ahead was off)."""
+    if row.get("path") != "engine":
+        return row["backend"]
+    return row["backend"] + (" through the engine" if row.get("decode_ahead", True) else
+                             " through the engine, each step waited for")
+
+
 def series(rows: list[dict]) -> dict[str, list[tuple[int, float]]]:
-    """Label -> [(batch, tok/s)] sorted by batch. The label is the backend, with the context when
-    rows have several, and the commit when rows of joined results would otherwise collide."""
+    """Label -> [(batch, tok/s)] sorted by batch. The label is the backend (backend_label), with
+    the context when rows have several, and the commit when rows of joined results would
+    otherwise collide."""
     several_contexts = len({r["context"] for r in rows}) > 1
-    keys = [(r["backend"], r["context"], r["batch"]) for r in rows]
+    keys = [(backend_label(r), r["context"], r["batch"]) for r in rows]
     collide = len(set(keys)) < len(keys)
     out: dict[str, list[tuple[int, float]]] = {}
     for r in rows:
-        label = r["backend"] + (f" @ {r['context']}" if several_contexts else "")
+        label = backend_label(r) + (f" @ {r['context']}" if several_contexts else "")
         label += f" ({r.get('commit', '?')})" if collide else ""
         out.setdefault(label, []).append((r["batch"], r["tok_s"]))
     return {k: sorted(v) for k, v in out.items()}
@@ -50,9 +60,11 @@ def plot_decode(result: dict, path: str | Path) -> Path:
     batches = sorted({r["batch"] for r in rows})
     for label, points in series(rows).items():
         xs, ys = zip(*points)
-        ax.plot(xs, ys, marker="o", label=label)
+        engine = "through the engine" in label  # squares, dotted, figures below: beside the bench's own
+        ax.plot(xs, ys, marker="s" if engine else "o", linestyle=":" if engine else "-", label=label)
         for x, y in points:
-            ax.annotate(f"{y:.0f}", (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+            ax.annotate(f"{y:.0f}", (x, y), textcoords="offset points", xytext=(0, -12 if engine else 6),
+                        ha="center", fontsize=8)
     curve = result.get("sol_curve")
     if curve:
         bandwidth = result.get("datasheet_bandwidth_bytes_s")

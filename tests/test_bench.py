@@ -190,6 +190,9 @@ def test_plot_is_a_png_of_every_backend_with_the_speed_of_light_curve(tmp_path):
     assert set(series(rows)) == {"megakernel", "hf-transformers"}
     twice = [{**row_of("megakernel", 1, 100.0), "commit": commit} for commit in ("a", "b")]
     assert set(series(twice)) == {"megakernel (a)", "megakernel (b)"}
+    engine = [{**row_of("megakernel", 1, 100.0), "path": "engine", "decode_ahead": ahead} for ahead in (True, False)]
+    assert set(series(rows[:1] + engine)) == {"megakernel", "megakernel through the engine",
+                                              "megakernel through the engine, each step waited for"}
     with pytest.raises(ValueError, match="rows"):
         plot_decode(result_of([]), tmp_path / "empty.png")
 
