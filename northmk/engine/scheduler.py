@@ -58,6 +58,7 @@ class Scheduler:
         self._loop_no_space = False
         self._ahead: _DeviceStep | None = None  # the step enqueued ahead by the last decode_step
         self._epoch = 0  # parks so far: a step enqueued before a park is not used after it
+        self._park_wanted = False  # park() asked the loop to park: a step enqueued ahead now would be dropped
         # _host_buffer's, allocated once before the first step rather than a pinned tensor per step
         self._host_buffers = [torch.empty(2 * config.max_batch, dtype=torch.int32, pin_memory=True)
                               for _ in range(2)] if device_sampler is not None and runner.kv.pages[0].is_cuda else []
@@ -89,7 +90,8 @@ class Scheduler:
                 tables = self.runner.device_tables(self._tables(batch), positions)
                 step = self._enqueue(seqs, batch.seqs.tolist(), positions, params,
                                      torch.from_numpy(batch.tokens.astype(np.int32)), tables)
-            self._ahead = self._enqueue_ahead(step, seqs) if self.config.decode_ahead else None
+            ahead = self.config.decode_ahead and not self._park_wanted
+            self._ahead = self._enqueue_ahead(step, seqs) if ahead else None
             results = step.results()
         for seq, (token, lp) in zip(seqs, results):
             seq.output_ids.append(token)
@@ -206,6 +208,7 @@ class Scheduler:
     def _parked(self) -> None:
         """The loop is parked: release whoever awaits park()."""
         self._loop_running = False
+        self._park_wanted = False
         self._epoch += 1
         for fut in self._park_waiters:
             if not fut.done():
@@ -218,6 +221,7 @@ class Scheduler:
             return
         fut = asyncio.get_running_loop().create_future()
         self._park_waiters.append(fut)
+        self._park_wanted = True  # the loop parks after its current step: enqueue nothing ahead of it
         self.loop.request_park()
         await fut
 
