@@ -192,10 +192,19 @@ async def test_outputs_carry_when_the_request_left_the_queue_and_got_its_first_t
     assert second.scheduled_time > first.first_token_time
 
 
-async def test_a_failing_decode_step_ends_its_requests_and_the_engine_still_shuts_down(make_engine):
-    engine = await make_engine()
+def sampler_for(where: str):
+    """None: the host samples every step; "device": the reference of the GPU sampler does, and
+    the scheduler enqueues steps ahead as on the megakernel."""
+    from tests.engine.test_backend import ReferenceSampler
+
+    return ReferenceSampler() if where == "device" else None
+
+
+@pytest.mark.parametrize("sampled_on", ["host", "device"])
+async def test_a_failing_decode_step_ends_its_requests_and_the_engine_still_shuts_down(make_engine, sampled_on):
+    engine = await make_engine(device_sampler=sampler_for(sampled_on))
     calls = 0
-    decode = engine.runner.decode
+    decode = engine.runner.decode_on_device  # every step's model call, on either path
 
     def failing_decode(*args, **kwargs):
         nonlocal calls
@@ -204,7 +213,7 @@ async def test_a_failing_decode_step_ends_its_requests_and_the_engine_still_shut
             raise RuntimeError("injected decode failure")
         return decode(*args, **kwargs)
 
-    engine.runner.decode = failing_decode
+    engine.runner.decode_on_device = failing_decode
     with pytest.raises(EngineDead, match="injected decode failure"):
         await asyncio.wait_for(collect(engine, PROMPTS[0], "doomed", max_tokens=20, ignore_eos=True), 30)
     assert not engine.is_healthy and isinstance(engine.dead_error, EngineDead)
@@ -213,10 +222,11 @@ async def test_a_failing_decode_step_ends_its_requests_and_the_engine_still_shut
     await asyncio.wait_for(engine.shutdown(), 30)
 
 
-async def test_a_park_awaited_when_the_step_fails_returns(make_engine):
-    engine = await make_engine()
+@pytest.mark.parametrize("sampled_on", ["host", "device"])
+async def test_a_park_awaited_when_the_step_fails_returns(make_engine, sampled_on):
+    engine = await make_engine(device_sampler=sampler_for(sampled_on))
     scheduler = engine.scheduler
-    decode, started = engine.runner.decode, asyncio.Event()
+    decode, started = engine.runner.decode_on_device, asyncio.Event()
     loop = asyncio.get_running_loop()
 
     def failing_decode(*args, **kwargs):
@@ -224,13 +234,13 @@ async def test_a_park_awaited_when_the_step_fails_returns(make_engine):
         time.sleep(0.2)  # the park below is requested while this step runs
         raise RuntimeError("injected decode failure")
 
-    engine.runner.decode = failing_decode
+    engine.runner.decode_on_device = failing_decode
     request = asyncio.create_task(collect(engine, PROMPTS[0], "doomed", max_tokens=20, ignore_eos=True))
     await asyncio.wait_for(started.wait(), 30)
     await asyncio.wait_for(scheduler.park(), 10)  # released by the failed step's park
     with pytest.raises(EngineDead):
         await asyncio.wait_for(request, 30)
-    engine.runner.decode = decode
+    engine.runner.decode_on_device = decode
     await asyncio.wait_for(engine.shutdown(), 30)
 
 
