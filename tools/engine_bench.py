@@ -53,8 +53,10 @@ async def warm(engine: AsyncEngine, prompts: list[list[int]], tag: str) -> None:
     """Prefill each prompt once (one token each), so the measured requests find their pages in
     the prefix cache and all start decoding at once."""
     for i, prompt in enumerate(prompts):
-        async for _ in engine.generate(GenerationRequest(f"{tag}-warm{i}", prompt, SamplingParams(max_tokens=1))):
-            pass
+        request = GenerationRequest(f"{tag}-warm{i}", prompt, SamplingParams(max_tokens=1))
+        got = [t async for out in engine.generate(request) for c in out.outputs for t in c.token_ids]
+        if len(got) != 1:
+            raise RuntimeError(f"warming prompt {i}: expected one token, got {len(got)}")
 
 
 class StepClock:
@@ -170,8 +172,7 @@ async def main(args) -> dict:
     weights = synthetic_weights(config, dtype, args.device, seed=0)
     bandwidth = datasheet_bandwidth(device)
     result = {"device": device, "commit": git_commit(), "date": datetime.date.today().isoformat(),
-              "command": " ".join(["tools/engine_bench.py", *sys.argv[1:]]),
-              "switch_interval_s": sys.getswitchinterval(), "rows": []}
+              "command": " ".join(["tools/engine_bench.py", *sys.argv[1:]]), "rows": []}
     engine_config = EngineConfig(device=args.device, dtype=str(dtype).split(".")[1], backend=args.backend,
                                  max_batch=max(args.batch), max_model_len=max_len,
                                  num_kv_pages=2 * max(args.batch) * -(-max_len // PAGE_SIZE))
@@ -224,8 +225,5 @@ if __name__ == "__main__":
     p.add_argument("--backend", default="megakernel", choices=("megakernel", "torch"))
     p.add_argument("--no-ahead", action="store_true", help="EngineConfig.decode_ahead off")
     p.add_argument("--both", action="store_true", help="decode_ahead on, then off, on the same weights")
-    p.add_argument("--switch-interval", type=float, help="sys.setswitchinterval (s) before the engine starts")
     a = p.parse_args()
-    if a.switch_interval:
-        sys.setswitchinterval(a.switch_interval)
     asyncio.run(main(a))

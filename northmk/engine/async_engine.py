@@ -72,8 +72,7 @@ class AsyncEngine:
             raise RuntimeError("engine already started")
         self.scheduler = Scheduler(self.config, self.runner, self.pool, self.metrics, self.eos_ids,
                                    device_sampler=self.device_sampler)
-        if isinstance(self.runner, MegakernelRunner):
-            self.runner.prepare_schedules(self.config.max_batch, self.max_model_len)
+        self.runner.prepare_schedules(self.config.max_batch, self.max_model_len)
         asyncio.get_running_loop().add_reader(self.scheduler.fd, self.scheduler.on_loop_fd)
         self._task = asyncio.create_task(self.scheduler.run(), name="northmk-scheduler")
         self._accepting = True

@@ -87,8 +87,12 @@ class TorchRunner:
         layout = BatchLayout([1] * len(positions), list(positions), tables)
         return self.model.step(tokens.long(), layout, self.kv)
 
+    def prepare_schedules(self, max_batch: int, max_len: int) -> None:
+        """Starts the backend's background work before serving (the megakernel's schedules);
+        the PyTorch backend has none."""
+
     def close(self) -> None:
-        """Stops the backend's background work (the megakernel's schedule preparation)."""
+        """Stops the backend's background work."""
 
     def copy_page(self, group: int, src: int, dst: int) -> None:
         self.kv.pages[group][dst].copy_(self.kv.pages[group][src])
