@@ -19,6 +19,8 @@
 //   tma/6x32K       tma+wgmma with a ring of 6 x 32 KB; results go straight to global memory
 //                   (224 KB of ring and input leave no room for them in shared memory)
 //   tma/6x32K/box64 both
+//   ld/FLAVOUR      mma.sync in bursts of 8 steps (DotBurst) with each flavour of weight load
+//                   (load_flavour): engine, nc, plain, cg, cs, nc256
 // Every output of a sample of tiles is checked against a CPU reference (error relative to the
 // row's sum |w| |x|, 1e-2 at most). One line per (shape, path, batch); exit code 1 on a mismatch.
 //   northmk_gemv_bench [--quick] [--filter SUBSTR]... [--ctas N] [--pool-mib M]
@@ -164,14 +166,39 @@ __device__ __forceinline__ void prefetch_l2(const void *p, uint32_t bytes) {
 // The last argument is shared scratch (GemvSmem::extra), for the variants that stage through it.
 
 // Steps i < n (n <= S) of the 32-wide k steps from k: loads into wl, wh; mmas from them.
-template <int S>
+// The weight loads' flavours (the ld/ paths): 0 the megakernel's load_weight (non-coherent, no L1
+// allocation, L2 evict-first), 1 non-coherent alone, 2 a plain coherent load, 3 L2 only (.cg),
+// 4 streaming (.cs), 5 load_weight's with a 256-byte L2 fetch hint.
+enum LoadFlavour { kLoadEngine, kLoadNc, kLoadPlain, kLoadCg, kLoadCs, kLoadNc256 };
+template <int F>
+__device__ __forceinline__ uint4 load_flavour(const bf16 *p) {
+    uint4 v;
+    if constexpr (F == kLoadEngine) {
+        v = load_weight(p);
+    } else if constexpr (F == kLoadNc) {
+        asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    } else if constexpr (F == kLoadPlain) {
+        asm volatile("ld.global.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    } else if constexpr (F == kLoadCg) {
+        asm volatile("ld.global.cg.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    } else if constexpr (F == kLoadCs) {
+        asm volatile("ld.global.cs.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    } else {
+        asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                     : "l"(p), "l"(evict_first_policy()));
+    }
+    return v;
+}
+
+template <int S, int F = kLoadEngine>
 __device__ __forceinline__ void load_steps(uint4 (&wl)[S], uint4 (&wh)[S], const bf16 *lo, const bf16 *hi, int k,
                                            int n) {
 #pragma unroll
     for (int i = 0; i < S; i++)
         if (i < n) {
-            wl[i] = load_weight(lo + k + 32 * i);
-            wh[i] = load_weight(hi + k + 32 * i);
+            wl[i] = load_flavour<F>(lo + k + 32 * i);
+            wh[i] = load_flavour<F>(hi + k + 32 * i);
         }
 }
 
@@ -184,7 +211,7 @@ __device__ __forceinline__ void mma_steps(float c[4], const uint4 (&wl)[S], cons
 }
 
 // Bursts of S steps loaded into registers, then their mmas; the rest in one burst of fewer steps.
-template <int S>
+template <int S, int F = kLoadEngine>
 struct DotBurst {
     static constexpr bool kWarpgroups = false;  // mma.sync for every tile count
     __device__ __forceinline__ void operator()(const bf16 *lo, const bf16 *hi, uint32_t x, int ka, int kb,
@@ -192,12 +219,12 @@ struct DotBurst {
         uint4 wl[S], wh[S];
         int k = ka;
         for (; k + 32 * S <= kb; k += 32 * S) {
-            load_steps(wl, wh, lo, hi, k, S);
+            load_steps<S, F>(wl, wh, lo, hi, k, S);
             mma_steps(c, wl, wh, x, k, S);
         }
         const int n = (kb - k) / 32;
         if (n > 0) {
-            load_steps(wl, wh, lo, hi, k, n);
+            load_steps<S, F>(wl, wh, lo, hi, k, n);
             mma_steps(c, wl, wh, x, k, n);
         }
     }
@@ -422,6 +449,12 @@ const Path kPaths[] = {
     {"tma/8x16K", tma_kernel<Ring8x16, false>, tma_smem<Ring8x16, false>()},
     {"tma/6x32K", tma_kernel<Ring6x32, true>, tma_smem<Ring6x32, true>()},
     {"tma/6x32K/box64", tma_kernel<Ring6x32Box64, true>, tma_smem<Ring6x32Box64, true>()},
+    {"ld/engine", mma_kernel<false, DotBurst<8, kLoadEngine>>, kSmem},
+    {"ld/nc", mma_kernel<false, DotBurst<8, kLoadNc>>, kSmem},
+    {"ld/plain", mma_kernel<false, DotBurst<8, kLoadPlain>>, kSmem},
+    {"ld/cg", mma_kernel<false, DotBurst<8, kLoadCg>>, kSmem},
+    {"ld/cs", mma_kernel<false, DotBurst<8, kLoadCs>>, kSmem},
+    {"ld/nc256", mma_kernel<false, DotBurst<8, kLoadNc256>>, kSmem},
 };
 constexpr int kNumPaths = sizeof(kPaths) / sizeof(kPaths[0]);
 
