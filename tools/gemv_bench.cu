@@ -20,7 +20,7 @@
 //                   (224 KB of ring and input leave no room for them in shared memory)
 //   tma/6x32K/box64 both
 //   ld/FLAVOUR      mma.sync in bursts of 8 steps (DotBurst) with each flavour of weight load
-//                   (load_flavour): engine, nc, plain, cg, cs, nc256
+//                   (load_flavour): engine, nc-ef, nc, plain, cg, cs, nc256
 // Every output of a sample of tiles is checked against a CPU reference (error relative to the
 // row's sum |w| |x|, 1e-2 at most). One line per (shape, path, batch); exit code 1 on a mismatch.
 //   northmk_gemv_bench [--quick] [--filter SUBSTR]... [--ctas N] [--pool-mib M]
@@ -166,15 +166,20 @@ __device__ __forceinline__ void prefetch_l2(const void *p, uint32_t bytes) {
 // The last argument is shared scratch (GemvSmem::extra), for the variants that stage through it.
 
 // Steps i < n (n <= S) of the 32-wide k steps from k: loads into wl, wh; mmas from them.
-// The weight loads' flavours (the ld/ paths): 0 the megakernel's load_weight (non-coherent, no L1
-// allocation, L2 evict-first), 1 non-coherent alone, 2 a plain coherent load, 3 L2 only (.cg),
-// 4 streaming (.cs), 5 load_weight's with a 256-byte L2 fetch hint.
-enum LoadFlavour { kLoadEngine, kLoadNc, kLoadPlain, kLoadCg, kLoadCs, kLoadNc256 };
+// The weight loads' flavours (the ld/ paths): the megakernel's load_weight (streaming, 256-byte
+// L2 fetches); its form before session 18 (non-coherent, no L1 allocation, an L2 evict_first
+// policy) alone and with a 256-byte fetch; non-coherent alone; a plain coherent load; L2 only
+// (.cg); streaming (.cs) alone.
+enum LoadFlavour { kLoadEngine, kLoadNcEvictFirst, kLoadNc, kLoadPlain, kLoadCg, kLoadCs, kLoadNc256 };
 template <int F>
 __device__ __forceinline__ uint4 load_flavour(const bf16 *p) {
     uint4 v;
     if constexpr (F == kLoadEngine) {
         v = load_weight(p);
+    } else if constexpr (F == kLoadNcEvictFirst) {
+        asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                     : "l"(p), "l"(evict_first_policy()));
     } else if constexpr (F == kLoadNc) {
         asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
     } else if constexpr (F == kLoadPlain) {
@@ -450,6 +455,7 @@ const Path kPaths[] = {
     {"tma/6x32K", tma_kernel<Ring6x32, true>, tma_smem<Ring6x32, true>()},
     {"tma/6x32K/box64", tma_kernel<Ring6x32Box64, true>, tma_smem<Ring6x32Box64, true>()},
     {"ld/engine", mma_kernel<false, DotBurst<8, kLoadEngine>>, kSmem},
+    {"ld/nc-ef", mma_kernel<false, DotBurst<8, kLoadNcEvictFirst>>, kSmem},
     {"ld/nc", mma_kernel<false, DotBurst<8, kLoadNc>>, kSmem},
     {"ld/plain", mma_kernel<false, DotBurst<8, kLoadPlain>>, kSmem},
     {"ld/cg", mma_kernel<false, DotBurst<8, kLoadCg>>, kSmem},

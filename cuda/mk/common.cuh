@@ -9,18 +9,23 @@
 
 namespace nmk::mk {
 
-// Weights stream through once per step: skip L1, and leave L2 first (evict_first), so that the
-// lines every SM reads again (the step's scratch, the kernel's code) stay there.
+// Streams read once a step leave L2 first (evict_first), so that the lines every SM reads again
+// (the step's scratch, the kernel's code) stay there: attention's KV boxes take this policy.
 __device__ __forceinline__ uint64_t evict_first_policy() {
     uint64_t policy;
     asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
     return policy;
 }
+// Weights: streaming loads (.cs: evict first from L1 and L2) that have L2 fetch 256 bytes a miss.
+// A lane reads 16 bytes of a row per 32-wide k step, a burst 512 contiguous bytes of each of its
+// rows. Of the load forms tools/gemv_bench.cu's ld/ paths compare, this one streams fastest; the
+// non-coherent load with an evict_first policy and no fetch size, used before, streamed 13-20%
+// slower (132 SMs) and batch 1 ran 4.8% slower (benchmarks/NOTES.md, session 18).
 __device__ __forceinline__ uint4 load_weight(const bf16 *p) {
     uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
+    asm volatile("ld.global.cs.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p), "l"(evict_first_policy()));
+                 : "l"(p));
     return v;
 }
 
@@ -95,7 +100,7 @@ __device__ __forceinline__ void bulk_load(void *dst, const void *src, uint32_t b
 
 // One box of a tensor map (a 4-D tiled map: coordinates innermost first) into shared memory by
 // the TMA unit, completing on `bar`; the map may sit in the kernel's parameters. Attention's
-// keys and values, read once a step: evict_first as the weights.
+// keys and values, read once a step: evict_first.
 __device__ __forceinline__ void tensor_load_4d(void *dst, const TensorMap *map, int c0, int c1, int c2, int c3,
                                                uint64_t *bar) {
     asm volatile(
