@@ -89,6 +89,28 @@ async def run(engine, prompt, request_id, **params):
     return ids, logprobs
 
 
+async def test_schedules_are_prepared_on_a_thread_that_shutdown_stops(checkpoint):
+    """AsyncEngine.start prepares the kernel's schedules (every batch size at every context
+    bucket) on a thread of its own while requests run; shutdown stops it, also mid-way."""
+    config = dict(model=checkpoint, device="cuda", dtype="bfloat16", max_batch=8)
+    engine = AsyncEngine.from_config(EngineConfig(**config, max_model_len=1024))
+    await engine.start()
+    thread = engine.runner._preparing
+    try:
+        assert thread is not None and thread.name == "northmk-schedules"
+        ids, _ = await run(engine, PROMPTS[1], "while-preparing", max_tokens=8)
+        assert len(ids) == 8
+        await asyncio.to_thread(thread.join, 120)  # 5 buckets (64 .. 1024 tokens) x 8 batch sizes
+        assert not thread.is_alive()
+    finally:
+        await engine.shutdown()
+    engine = AsyncEngine.from_config(EngineConfig(**config))  # its whole context, 8192: 8 buckets
+    await engine.start()
+    thread = engine.runner._preparing
+    await engine.shutdown()
+    assert not thread.is_alive()
+
+
 async def test_auto_picks_the_megakernel_on_sm90_with_bf16_and_a_geometry_it_runs(checkpoint):
     engine = AsyncEngine.from_config(EngineConfig(model=checkpoint, device="cuda", dtype="bfloat16", max_model_len=512))
     assert engine.backend == "megakernel" and isinstance(engine.device_sampler, GpuSampler)
