@@ -33,7 +33,7 @@ extern "C" {
 
 /* Bumped on every incompatible change of a declaration below; nmk_abi_version() returns the
  * library's value and bindings refuse a library whose value differs from theirs. */
-#define NMK_ABI_VERSION 4
+#define NMK_ABI_VERSION 5
 
 /* ==== status, errors, versions ==== */
 
@@ -143,6 +143,14 @@ NMK_API nmk_status nmk_kv_seq_free(nmk_kv_pool *pool, nmk_seq_id seq);
  * NMK_ERR_INVALID_ARGUMENT when len + n would exceed max_seq_len. */
 NMK_API nmk_status nmk_kv_seq_append(nmk_kv_pool *pool, nmk_seq_id seq, const int32_t *tokens,
                                      size_t n);
+
+/* Takes now, in every group, the pages that positions [len, len + n) will need, so that the
+ * nmk_kv_seq_append recording them takes none: for a decode step enqueued before the step it
+ * follows has published its token. They are the sequence's and show in its block tables;
+ * nmk_kv_seq_free releases them, a fork's child does not get them, and the decode loop's undo
+ * of a failed step drops them. A no-op when those positions have their pages. NMK_ERR_NO_SPACE:
+ * none taken. NMK_ERR_INVALID_ARGUMENT when len + n would exceed max_seq_len. */
+NMK_API nmk_status nmk_kv_seq_reserve(nmk_kv_pool *pool, nmk_seq_id seq, size_t n);
 
 /* One page to copy: in group `group`, page src's contents into page dst. */
 typedef struct nmk_kv_page_copy {

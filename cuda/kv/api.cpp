@@ -67,6 +67,14 @@ NMK_API nmk_status nmk_kv_seq_append(nmk_kv_pool *pool, nmk_seq_id seq, const in
     });
 }
 
+NMK_API nmk_status nmk_kv_seq_reserve(nmk_kv_pool *pool, nmk_seq_id seq, size_t n) {
+    NMK_REQUIRE_POOL(pool);
+    return nmk::guard(__func__, [&] {
+        pool->reserve(seq, n);
+        return NMK_OK;
+    });
+}
+
 NMK_API nmk_status nmk_kv_seq_fork(nmk_kv_pool *pool, nmk_seq_id src, nmk_seq_id *child,
                                    nmk_kv_page_copy *copies, size_t cap, size_t *n_copies) {
     NMK_REQUIRE_POOL(pool);

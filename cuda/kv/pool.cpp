@@ -211,9 +211,13 @@ void Pool::append(const Append *ops, size_t n_ops) {
         release_behind_window(*s, s->tokens.size());
         sync_row(*s);
     }
-    // Every group keeps one table entry per logical page, so each needs the same count.
+    // Every group keeps one table entry per logical page, so each needs the same count; pages
+    // reserved ahead (reserve) are already there.
     size_t need = 0;
-    for (size_t i = 0; i < n_ops; ++i) need += pages_for(seqs[i]->tokens.size() + ops[i].n) - seqs[i]->pages[0].size();
+    for (size_t i = 0; i < n_ops; ++i) {
+        const size_t want = pages_for(seqs[i]->tokens.size() + ops[i].n), have = seqs[i]->pages[0].size();
+        need += want > have ? want - have : 0;
+    }
     for (uint32_t g = 0; g < params_.num_groups; ++g)
         if (need > groups_[g].available())
             throw_error(NMK_ERR_NO_SPACE, "group " + std::to_string(g) + " needs " + std::to_string(need) +
@@ -229,12 +233,44 @@ void Pool::append(const Append *ops, size_t n_ops) {
     }
 }
 
+void Pool::reserve(nmk_seq_id seq, size_t n) {
+    std::lock_guard<std::mutex> lock(mu_);
+    Sequence &s = find(seq);
+    if (s.tokens.size() + n > params_.max_seq_len)
+        throw_error(NMK_ERR_INVALID_ARGUMENT, "sequence " + std::to_string(seq) + " would reserve up to " +
+                    std::to_string(s.tokens.size() + n) + " tokens > max_seq_len " +
+                    std::to_string(params_.max_seq_len));
+    const size_t want = pages_for(s.tokens.size() + n), have = s.pages[0].size();
+    if (want <= have) return;
+    for (uint32_t g = 0; g < params_.num_groups; ++g)
+        if (want - have > groups_[g].available())
+            throw_error(NMK_ERR_NO_SPACE, "group " + std::to_string(g) + " needs " + std::to_string(want - have) +
+                        " pages, " + std::to_string(groups_[g].available()) + " available");
+    for (uint32_t g = 0; g < params_.num_groups; ++g)
+        while (s.pages[g].size() < want) s.pages[g].push_back(groups_[g].allocate());
+    sync_row(s);
+}
+
+// Pages reserved past the sequence's tokens go back first: the token's own page is then its last.
+void Pool::drop_reserved(Sequence &s) {
+    const size_t keep = pages_for(s.tokens.size());
+    for (uint32_t g = 0; g < params_.num_groups; ++g)
+        while (s.pages[g].size() > keep) {
+            if (s.pages[g].back() != NMK_KV_NO_PAGE) groups_[g].release(s.pages[g].back());
+            s.pages[g].pop_back();
+        }
+}
+
 void Pool::drop_last_token(const nmk_seq_id *ids, size_t n) {
     std::lock_guard<std::mutex> lock(mu_);
     const uint32_t ps = params_.page_size;
     for (size_t i = 0; i < n; ++i) {
         Sequence &s = find(ids[i]);
-        if (s.tokens.empty()) continue;
+        drop_reserved(s);
+        if (s.tokens.empty()) {
+            sync_row(s);
+            continue;
+        }
         size_t len = s.tokens.size();
         if (len % ps == 0) {  // the dropped token had filled its page: forget its cache entry
             for (uint32_t g = 0; g < params_.num_groups; ++g)
@@ -265,14 +301,15 @@ nmk_seq_id Pool::fork(nmk_seq_id src, nmk_kv_page_copy *copies, size_t cap, size
     child.tokens = s.tokens;
     child.hashes = s.hashes;
     size_t n = 0;
+    const size_t own = pages_for(s.tokens.size());  // not the pages reserved past them
     for (uint32_t g = 0; g < params_.num_groups; ++g) {
-        child.pages[g] = s.pages[g];
+        child.pages[g].assign(s.pages[g].begin(), s.pages[g].begin() + own);
         size_t shared = partial ? child.pages[g].size() - 1 : child.pages[g].size();
         for (size_t j = 0; j < shared; ++j)
             if (child.pages[g][j] != NMK_KV_NO_PAGE) groups_[g].retain(child.pages[g][j]);
         if (!partial) continue;
         int32_t dst = groups_[g].allocate();
-        copies[n++] = nmk_kv_page_copy{g, s.pages[g].back(), dst};
+        copies[n++] = nmk_kv_page_copy{g, s.pages[g][own - 1], dst};
         child.pages[g].back() = dst;
     }
     nmk_seq_id id = next_id_++;

@@ -40,6 +40,9 @@ public:
     void free(nmk_seq_id seq);
     // All-or-nothing: NMK_ERR_NO_SPACE (thrown) records no token and takes no page.
     void append(const Append *ops, size_t n_ops);
+    // Pages for positions [len, len + n) ahead of the append that records them; NMK_ERR_NO_SPACE
+    // (thrown) takes none.
+    void reserve(nmk_seq_id seq, size_t n);
     nmk_seq_id fork(nmk_seq_id src, nmk_kv_page_copy *copies, size_t cap, size_t *n_copies);
     // Undoes the append of each sequence's last token (the decode loop's failed step).
     void drop_last_token(const nmk_seq_id *seqs, size_t n);
@@ -56,6 +59,7 @@ private:
     uint32_t dead_pages(uint32_t group, size_t next_pos) const;
     uint32_t pages_for(size_t tokens) const;
     void release_behind_window(Sequence &s, size_t next_pos);
+    void drop_reserved(Sequence &s);
     void register_full_pages(Sequence &s, size_t old_len);
     size_t cached_prefix(const int32_t *tokens, size_t n, std::vector<uint64_t> &hashes,
                          std::array<std::vector<int32_t>, NMK_KV_MAX_GROUPS> &hits) const;

@@ -65,6 +65,7 @@ class Scheduler:
         self._enqueued = 0
         self.ahead_steps_taken = 0  # steps enqueued ahead whose tokens were used
         self.ahead_rows_dropped = 0  # rows of steps enqueued ahead whose tokens were not used
+        self.ahead_pages_reserved = 0  # rows of steps enqueued ahead whose next position started a page
 
     # ---- the loop thread ----------------------------------------------------------------
     def decode_step(self, batch: native.StepInput) -> tuple[list[int], list[float]]:
@@ -72,7 +73,8 @@ class Scheduler:
         every row can draw there, else per row on the host).
 
         On the device the step after this one is enqueued before this one's tokens are waited
-        for (when every row can draw it there and stays on its page): its input is this step's
+        for (when every row can draw it there and has a page for its next position, which the
+        pool gives ahead where it starts a page): its input is this step's
         sampled tokens, already on the device, so the device runs the steps back to back while
         the host publishes. The next call uses it when its batch is those rows at those
         positions, and drops it otherwise."""
@@ -91,7 +93,7 @@ class Scheduler:
                 step = self._enqueue(seqs, batch.seqs.tolist(), positions, params,
                                      torch.from_numpy(batch.tokens.astype(np.int32)), tables)
             ahead = self.config.decode_ahead and not self._park_wanted
-            self._ahead = self._enqueue_ahead(step, seqs) if ahead else None
+            self._ahead = self._enqueue_ahead(step, seqs, batch.slots) if ahead else None
             results = step.results()
         for seq, (token, lp) in zip(seqs, results):
             seq.output_ids.append(token)
@@ -99,8 +101,12 @@ class Scheduler:
         return [t for t, _ in results], [lp.logprob if lp else math.nan for _, lp in results]
 
     def _tables(self, batch: native.StepInput) -> list[torch.Tensor]:
-        slots = torch.from_numpy(batch.slots.astype(np.int64))
-        return [torch.from_numpy(self.pool.block_table(g))[slots] for g in self.groups]
+        return self._tables_of(batch.slots)
+
+    def _tables_of(self, slots: np.ndarray) -> list[torch.Tensor]:
+        """The block tables of the loop's rows at `slots`, copied out of the pool's."""
+        index = torch.from_numpy(slots.astype(np.int64))
+        return [torch.from_numpy(self.pool.block_table(g))[index] for g in self.groups]
 
     def _device_draw_params(self, seqs: list[Sequence], ahead: int = 0) -> list[DrawParams] | None:
         """Every row's device draw, or None when there is no device sampler or a row needs the
@@ -133,17 +139,26 @@ class Scheduler:
         self._enqueued += 1
         return self._host_buffers[self._enqueued % 2]
 
-    def _enqueue_ahead(self, step: "_DeviceStep", seqs: list[Sequence]) -> "_DeviceStep | None":
-        """The step after `step` for the same rows, fed its sampled tokens; None when a row's next
-        position starts a page (the pool has not given it yet) or its next draw needs the host."""
-        if any((p + 1) % PAGE_SIZE == 0 for p in step.positions):
-            return None
+    def _enqueue_ahead(self, step: "_DeviceStep", seqs: list[Sequence], slots: np.ndarray) -> "_DeviceStep | None":
+        """The step after `step` for the same rows (at the loop's `slots`), fed its sampled tokens;
+        None when a row's next draw needs the host, or its next position starts a page that the
+        pool cannot give now (pool.reserve: the loop's append for that position then takes none)."""
         if all(s.remaining <= 1 for s in seqs):
             return None  # every row ends with this step (its length)
         params = self._device_draw_params(seqs, ahead=1)
         if params is None:
             return None
-        return self._enqueue(seqs, step.ids, [p + 1 for p in step.positions], params, step.tokens, step.tables)
+        positions, tables = [p + 1 for p in step.positions], step.tables
+        starting = [seq for seq, p in zip(step.ids, positions) if p % PAGE_SIZE == 0]
+        if starting:
+            try:
+                for seq in starting:
+                    self.pool.reserve(seq)
+            except native.NativeError:  # no page free, or the row ends at max_seq_len with this step
+                return None
+            tables = self.runner.device_tables(self._tables_of(slots), positions)
+            self.ahead_pages_reserved += len(starting)
+        return self._enqueue(seqs, step.ids, positions, params, step.tokens, tables)
 
     def _take_ahead(self, batch: native.StepInput) -> "_DeviceStep | None":
         """The step enqueued ahead, when this batch's rows are among its rows at its positions and

@@ -13,7 +13,7 @@ import os
 from ctypes import POINTER, c_char_p, c_float, c_int, c_int32, c_size_t, c_uint32, c_uint64, c_void_p
 from pathlib import Path
 
-ABI_VERSION = 4  # NMK_ABI_VERSION of include/northmk.h this module is written against
+ABI_VERSION = 5  # NMK_ABI_VERSION of include/northmk.h this module is written against
 KV_MAX_GROUPS = 4  # NMK_KV_MAX_GROUPS
 NO_PAGE = -1  # NMK_KV_NO_PAGE
 LIB_NAME = "libnorthmk.so"
@@ -230,6 +230,8 @@ _PROTOTYPES = {
     "nmk_kv_seq_free": (c_int, [c_void_p, c_uint64]),
     # nmk_status nmk_kv_seq_append(nmk_kv_pool *pool, nmk_seq_id seq, const int32_t *tokens, size_t n)
     "nmk_kv_seq_append": (c_int, [c_void_p, c_uint64, P(c_int32), c_size_t]),
+    # nmk_status nmk_kv_seq_reserve(nmk_kv_pool *pool, nmk_seq_id seq, size_t n)
+    "nmk_kv_seq_reserve": (c_int, [c_void_p, c_uint64, c_size_t]),
     # nmk_status nmk_kv_seq_fork(nmk_kv_pool *pool, nmk_seq_id src, nmk_seq_id *child,
     #                            nmk_kv_page_copy *copies, size_t cap, size_t *n_copies)
     "nmk_kv_seq_fork": (c_int, [c_void_p, c_uint64, P(c_uint64), P(PageCopy), c_size_t, P(c_size_t)]),

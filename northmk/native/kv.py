@@ -142,6 +142,11 @@ class KVPool(NativeHandle):
         arr, ptr = _tokens(tokens)
         check(self._lib.nmk_kv_seq_append(self.handle, seq, ptr, arr.size))
 
+    def reserve(self, seq: int, n: int = 1) -> None:
+        """Pages for positions [len, len + n) now, ahead of the append that records them (which
+        then takes none); raises NoSpace, taking none."""
+        check(self._lib.nmk_kv_seq_reserve(self.handle, seq, n))
+
     def fork(self, seq: int) -> tuple[int, list[Copy]]:
         """(child id, page copies the caller must perform before using either sequence)."""
         child, n = c_uint64(), c_size_t(0)

@@ -227,6 +227,9 @@ async def test_steps_enqueued_ahead_give_the_same_tokens_and_logprobs(make_engin
     s = ahead.scheduler
     assert plain.scheduler.ahead_steps_taken == 0 == plain.scheduler.ahead_rows_dropped
     assert s.ahead_steps_taken > 150 and s.ahead_rows_dropped > 0  # of ~250 decode steps
+    # Steps whose row starts a page were enqueued ahead too, on pages the pool gave a step early:
+    # request "a"'s row at position 128, "c"'s at 64 (the choices of "b" stop before 64 here).
+    assert s.ahead_pages_reserved >= 2 and plain.scheduler.ahead_pages_reserved == 0
     drawn = sum(len(ids) - 1 for ids, _ in got)  # each row's first token comes from prefill
     assert sum(map(len, ahead_sampler.draws)) - s.ahead_rows_dropped == drawn == sum(map(len, plain_sampler.draws))
     # The seeded draws used are the plain engine's, row for row: a step enqueued ahead drew with

@@ -122,6 +122,39 @@ async def test_step_failure_parks_keeps_tokens_and_can_resume(bad):
         assert [e.token for e in events] == [2, 3, 4, 5, 6]
 
 
+async def test_a_page_reserved_in_a_step_is_the_next_appends_or_goes_with_a_failed_step():
+    """A step may reserve the page of its row's next position (the engine does, for a step it
+    enqueues ahead): the loop's next append takes that page and no other, and a failed step's
+    rollback releases it with the step's token."""
+    calls, reserved, tables = {"n": 0}, [], {}
+
+    def step(inp: StepInput):
+        calls["n"] += 1
+        seq, pos = int(inp.seqs[0]), int(inp.positions[0])
+        tables[pos] = pool.seq_block_table(seq, 0)
+        pool.reserve(seq)  # the page of position pos + 1
+        if pos + 1 == PS:
+            reserved.append(pool.seq_block_table(seq, 0)[1])
+        if calls["n"] == 2:
+            raise RuntimeError("model exploded")
+        return next_token_step(inp)
+
+    with make_pool() as pool, DecodeLoop(pool, step) as loop:
+        seq = make_seq(pool, 2)
+        loop.add_row(0, seq, last_token=1, max_new_tokens=4)
+        loop.start()
+        events: list = []
+        assert await wait_parked(loop, events) is Status.ERR_STEP_FAILED  # at position 3, page 1 reserved
+        assert pool.length(seq) == 3 and len(pool.seq_block_table(seq, 0)) == 1 and pool.usage(0).used == 1
+        loop.resume()
+        while not any(e.finished for e in events):
+            await asyncio.sleep(0.01)
+            events += loop.drain()
+        assert [e.token for e in events] == [2, 3, 4, 5] and len(reserved) == 2
+        assert tables[PS][1] == reserved[-1]  # position 4's append took the page reserved at position 3
+        assert pool.length(seq) == 6 and pool.usage(0).used == 2
+
+
 async def test_no_space_parks_so_the_scheduler_can_preempt():
     with make_pool(pages=4) as pool, DecodeLoop(pool, next_token_step) as loop:
         a, b = make_seq(pool, 4), make_seq(pool, 4)

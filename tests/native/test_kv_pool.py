@@ -107,6 +107,42 @@ def test_fork_shares_full_pages_and_copies_the_partial_last_page():
         assert none == []
 
 
+def test_reserve_takes_the_next_page_ahead_and_the_append_takes_no_other():
+    with pool(pages=(8, 8), windows=(None, 64)) as p:
+        seq, _ = p.create_sequence()
+        p.append(seq, range(PS))  # page 0 full: position PS starts page 1
+        p.bind_row(0, seq)
+        p.reserve(seq)
+        table = p.seq_block_table(seq, 0)
+        assert len(table) == 2 and p.length(seq) == PS and p.usage(0).used == p.usage(1).used == 2
+        assert list(p.block_table(0)[0, :2]) == table  # the dense row shows it
+        p.reserve(seq)  # position PS has its page: nothing more
+        p.append(seq, [7])
+        assert p.seq_block_table(seq, 0) == table and p.usage(0).used == 2
+        p.reserve(seq, PS + 3)  # positions PS + 1 .. 2 PS + 3: page 2
+        assert len(p.seq_block_table(seq, 0)) == 3 and p.length(seq) == PS + 1
+        child, copies = p.fork(seq)  # the child takes the tokens' pages, not the reserved one
+        assert len(p.seq_block_table(child, 0)) == 2 and [c.src for c in copies] == [table[1], copies[1].src]
+        p.unbind_row(0)
+        p.free(seq)
+        p.free(child)
+        assert p.usage(0).used == p.usage(1).used == 0
+
+
+def test_reserve_without_room_takes_nothing():
+    with pool(pages=(2,)) as p:
+        seq, _ = p.create_sequence()
+        p.append(seq, range(2 * PS))
+        with pytest.raises(NoSpace, match="needs 1 pages"):
+            p.reserve(seq)
+        assert len(p.seq_block_table(seq, 0)) == 2 and p.usage(0).used == 2
+        with pytest.raises(NativeError, match="max_seq_len"):
+            p.reserve(seq, 64)
+        with pytest.raises(NativeError) as err:
+            p.reserve(12345)
+        assert err.value.status is Status.ERR_NOT_FOUND
+
+
 def test_prefix_cache_serves_full_pages_and_leaves_a_token_to_compute():
     with pool() as p:
         prompt = list(range(100, 113))  # 13 tokens: 3 full pages

@@ -17,7 +17,8 @@ def dead_pages(next_pos: int) -> int:
 
 
 class PoolMachine(RuleBasedStateMachine):
-    """Random creates (with prefix hits), appends, forks, frees and row bindings against a model."""
+    """Random creates (with prefix hits), appends, reserves, forks, frees and row bindings against a
+    model."""
 
     seqs = Bundle("seqs")
 
@@ -25,6 +26,7 @@ class PoolMachine(RuleBasedStateMachine):
         super().__init__()
         self.pool = KVPool([20, 12], [None, WINDOW], page_size=PS, max_seq_len=MAX_LEN, max_rows=ROWS)
         self.model: dict[int, list[int]] = {}
+        self.pages: dict[int, int] = {}  # seq -> its logical pages: its tokens', and any reserved past them
         self.rows: dict[int, int] = {}  # row -> seq
 
     def _append(self, seq: int, new: list[int]) -> None:
@@ -37,13 +39,14 @@ class PoolMachine(RuleBasedStateMachine):
             assert self.pool.length(seq) == before
             return
         self.model[seq] += new
+        self.pages[seq] = max(self.pages[seq], -(-len(self.model[seq]) // PS))
 
     @rule(target=seqs, prompt=tokens, rest=tokens)
     def create(self, prompt, rest):
         expected = self.pool.prefix_lookup(prompt) if prompt else 0
         seq, cached = self.pool.create_sequence(prompt or None)
         assert cached == expected and cached % PS == 0 and (cached < len(prompt) or cached == 0)
-        self.model[seq] = prompt[:cached]
+        self.model[seq], self.pages[seq] = prompt[:cached], cached // PS
         self._append(seq, prompt[cached:] + rest)
         return seq
 
@@ -51,6 +54,19 @@ class PoolMachine(RuleBasedStateMachine):
     def append(self, seq, new):
         if seq in self.model:
             self._append(seq, new)
+
+    @rule(seq=seqs, n=st.integers(0, 6))
+    def reserve(self, seq, n):
+        if seq not in self.model:
+            return
+        try:
+            self.pool.reserve(seq, n)
+        except NoSpace:
+            return
+        except NativeError:
+            assert len(self.model[seq]) + n > MAX_LEN
+            return
+        self.pages[seq] = max(self.pages[seq], -(-(len(self.model[seq]) + n) // PS))
 
     @rule(target=seqs, seq=seqs)
     def fork(self, seq):
@@ -62,6 +78,7 @@ class PoolMachine(RuleBasedStateMachine):
             return 0
         assert len(copies) == (2 if len(self.model[seq]) % PS else 0)
         self.model[child] = list(self.model[seq])
+        self.pages[child] = -(-len(self.model[seq]) // PS)  # none of the reserved pages
         return child
 
     @rule(seq=consumes(seqs))
@@ -75,7 +92,7 @@ class PoolMachine(RuleBasedStateMachine):
             except NativeError:
                 return
         self.pool.free(seq)
-        del self.model[seq]
+        del self.model[seq], self.pages[seq]
 
     @rule(row=st.integers(0, ROWS - 1), seq=seqs)
     def bind(self, row, seq):
@@ -98,7 +115,7 @@ class PoolMachine(RuleBasedStateMachine):
             for seq, toks in self.model.items():
                 table = self.pool.seq_block_table(seq, g)
                 assert self.pool.length(seq) == len(toks)
-                assert len(table) == -(-len(toks) // PS)
+                assert len(table) == self.pages[seq]
                 live_from = 0 if g == 0 else dead_pages(len(toks))
                 assert all(p != NO_PAGE for p in table[live_from:])
                 for j, page in enumerate(table):

@@ -1,4 +1,4 @@
-/* The KV block pool through the C ABI: sequences, block tables, windows, forks, prefix cache. */
+/* The KV block pool through the C ABI: sequences, block tables, windows, forks, reserves, prefix cache. */
 #include <string.h>
 
 #include "check.h"
@@ -125,6 +125,30 @@ static void test_fork(void) {
     nmk_kv_pool_destroy(pool);
 }
 
+static void test_reserve(void) {
+    nmk_kv_pool *pool = make_pool(2, 0);
+    int32_t tokens[4] = {1, 2, 3, 4};
+    int32_t before[2], after[2];
+    nmk_seq_id seq;
+    size_t n;
+    CHECK_OK(nmk_kv_seq_create(pool, NULL, 0, &seq, NULL));
+    CHECK_OK(nmk_kv_seq_append(pool, seq, tokens, PS)); /* page 0 full */
+    CHECK_OK(nmk_kv_seq_reserve(pool, seq, 1));          /* position PS's page, ahead */
+    check_usage(pool, FULL, 2, 0, 0);
+    CHECK_OK(nmk_kv_seq_block_table(pool, seq, FULL, before, 2, &n));
+    CHECK(n == 2);
+    CHECK_OK(nmk_kv_seq_append(pool, seq, tokens, 1)); /* takes the reserved page, no other */
+    CHECK_OK(nmk_kv_seq_block_table(pool, seq, FULL, after, 2, &n));
+    CHECK(n == 2 && after[1] == before[1]);
+    CHECK_OK(nmk_kv_seq_append(pool, seq, tokens, 0));
+    CHECK_STATUS(nmk_kv_seq_reserve(pool, seq, PS), NMK_ERR_NO_SPACE); /* a third page: none left */
+    CHECK_STATUS(nmk_kv_seq_reserve(pool, seq, 64), NMK_ERR_INVALID_ARGUMENT);
+    CHECK_STATUS(nmk_kv_seq_reserve(NULL, seq, 1), NMK_ERR_INVALID_ARGUMENT);
+    check_usage(pool, FULL, 2, 0, 0);
+    CHECK_OK(nmk_kv_seq_free(pool, seq));
+    nmk_kv_pool_destroy(pool);
+}
+
 static void test_prefix_cache(void) {
     nmk_kv_pool *pool = make_pool(4, 0);
     int32_t prompt[9] = {5, 6, 7, 8, 9, 10, 11, 12, 13};
@@ -172,6 +196,7 @@ int main(void) {
     test_append_and_tables();
     test_sliding_window_release();
     test_fork();
+    test_reserve();
     test_prefix_cache();
     puts("test_pool: ok");
     return 0;
