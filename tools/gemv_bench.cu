@@ -165,9 +165,8 @@ __device__ __forceinline__ void prefetch_l2(const void *p, uint32_t bytes) {
 // 32) into c, with the lane layout of tile_dot: 16 contiguous bytes per row and 32-wide k step.
 // The last argument is shared scratch (GemvSmem::extra), for the variants that stage through it.
 
-// Steps i < n (n <= S) of the 32-wide k steps from k: loads into wl, wh; mmas from them.
 // The weight loads' flavours (the ld/ paths): the megakernel's load_weight (streaming, 256-byte
-// L2 fetches); its form before session 18 (non-coherent, no L1 allocation, an L2 evict_first
+// L2 fetches); its form before 308b241 (non-coherent, no L1 allocation, an L2 evict_first
 // policy) alone and with a 256-byte fetch; non-coherent alone; a plain coherent load; L2 only
 // (.cg); streaming (.cs) alone.
 enum LoadFlavour { kLoadEngine, kLoadNcEvictFirst, kLoadNc, kLoadPlain, kLoadCg, kLoadCs, kLoadNc256 };
@@ -196,6 +195,7 @@ __device__ __forceinline__ uint4 load_flavour(const bf16 *p) {
     return v;
 }
 
+// Steps i < n (n <= S) of the 32-wide k steps from k: loads into wl, wh; mmas from them.
 template <int S, int F = kLoadEngine>
 __device__ __forceinline__ void load_steps(uint4 (&wl)[S], uint4 (&wh)[S], const bf16 *lo, const bf16 *hi, int k,
                                            int n) {

@@ -18,9 +18,10 @@ __device__ __forceinline__ uint64_t evict_first_policy() {
 }
 // Weights: streaming loads (.cs: evict first from L1 and L2) that have L2 fetch 256 bytes a miss.
 // A lane reads 16 bytes of a row per 32-wide k step, a burst 512 contiguous bytes of each of its
-// rows. Of the load forms tools/gemv_bench.cu's ld/ paths compare, this one streams fastest; the
-// non-coherent load with an evict_first policy and no fetch size, used before, streamed 13-20%
-// slower (132 SMs) and batch 1 ran 4.8% slower (benchmarks/NOTES.md, session 18).
+// rows. In the GEMV bench (tools/gemv_bench.cu's ld/ paths, 132 SMs) a streaming load, or a
+// 256-byte fetch, each streamed 6-20% faster than the non-coherent load with an evict_first policy
+// used before; in the kernel the two together ran batch 1 4.8% faster, the 256-byte fetch with
+// the evict_first policy 3.3% (benchmarks/NOTES.md, session 18).
 __device__ __forceinline__ uint4 load_weight(const bf16 *p) {
     uint4 v;
     asm volatile("ld.global.cs.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
