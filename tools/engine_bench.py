@@ -14,7 +14,10 @@ B rows decode for all of it; the rows' KV then holds the prompt plus what they g
 decode`'s step, plus everything the serving loop does around it (the native loop's turn,
 the scheduler's step function, the GPU sampler, detokenizing and the outputs' queues).
 With --both the same requests run with EngineConfig.decode_ahead on, then off (the scheduler
-reads it at every step). Writes engine-<date>-<commit>.json under --out."""
+reads it at every step). With --ragged row i's prompt is i * 64 / B tokens shorter than
+--context, so the rows start their KV pages at different steps (the rows' steps that start one
+are enqueued ahead on pages the pool gives a step early); each row reports the scheduler's
+counts of steps enqueued ahead over its requests. Writes engine-<date>-<commit>.json under --out."""
 from __future__ import annotations
 
 import argparse
@@ -43,10 +46,12 @@ from northmk.tokenizer import Tokenizer
 from northmk.tokenizer_files import write_tokenizer_files
 
 
-def make_prompts(engine: AsyncEngine, batch: int, context: int, seed: int) -> list[list[int]]:
+def make_prompts(engine: AsyncEngine, batch: int, context: int, seed: int, ragged: bool) -> list[list[int]]:
+    """Random prompts of `context` tokens, or with `ragged` of context - i * PAGE_SIZE // batch."""
     rng = random.Random(seed)
     top = min(250000, engine.model_config.vocab_size - 64)  # below the chat tokens
-    return [[rng.randrange(300, top) for _ in range(context)] for _ in range(batch)]
+    lengths = [context - (i * PAGE_SIZE // batch if ragged else 0) for i in range(batch)]
+    return [[rng.randrange(300, top) for _ in range(n)] for n in lengths]
 
 
 async def warm(engine: AsyncEngine, prompts: list[list[int]], tag: str) -> None:
@@ -119,14 +124,14 @@ class StepClock:
 
 
 async def one_batch(engine: AsyncEngine, prompts: list[list[int]], steps: int, tag: str) -> dict:
-    batch, context = len(prompts), len(prompts[0])
+    batch, context = len(prompts), sum(map(len, prompts)) / len(prompts)  # the prompts' mean length
     counts = [0] * batch  # tokens yielded so far, per request
     since_open = [0] * batch  # ... since the window opened
     w: dict = {}  # the window: opened (time, tokens), then ended (time, tokens)
     done = asyncio.Event()
 
     async def run(i: int) -> None:
-        params = SamplingParams(max_tokens=engine.max_model_len - context, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=engine.max_model_len - len(prompts[i]), temperature=0.0, ignore_eos=True)
         gen = engine.generate(GenerationRequest(f"{tag}-{i}", prompts[i], params))
         try:
             async for out in gen:
@@ -146,6 +151,9 @@ async def one_batch(engine: AsyncEngine, prompts: list[list[int]], steps: int, t
         finally:
             await gen.aclose()  # aborts the request
 
+    s = engine.scheduler
+    counted = ("ahead_steps_taken", "ahead_rows_dropped", "ahead_pages_reserved")
+    before = [getattr(s, c) for c in counted]
     tasks = [asyncio.create_task(run(i)) for i in range(batch)]
     waiter = asyncio.create_task(done.wait())
     await asyncio.wait([waiter, *tasks], timeout=600, return_when=asyncio.FIRST_COMPLETED)
@@ -157,7 +165,8 @@ async def one_batch(engine: AsyncEngine, prompts: list[list[int]], steps: int, t
     return {"backend": engine.backend, "path": "engine", "batch": batch, "context": context,
             "mean_keys": context + (w["opened"][1] + w["ended"][1]) / 2 / batch,
             "window_tokens": tokens, "window_s": seconds, "tok_s": tokens / seconds,
-            "ms_per_step": 1e3 * seconds / (tokens / batch), "window": (w["opened"][0], w["ended"][0])}
+            "ms_per_step": 1e3 * seconds / (tokens / batch), "window": (w["opened"][0], w["ended"][0]),
+            "scheduler": {c: getattr(s, c) - b for c, b in zip(counted, before)}}
 
 
 async def main(args) -> dict:
@@ -185,7 +194,7 @@ async def main(args) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
         for batch in args.batch:
-            prompts = make_prompts(engine, batch, args.context, seed=batch)
+            prompts = make_prompts(engine, batch, args.context, batch, args.ragged)
             await warm(engine, prompts, f"b{batch}")
             # a first window, not kept: the first step at a batch size and context bucket builds
             # and checks that schedule (100-190 ms on the H200's host at 2c1e446, tools/first_step.py)
@@ -195,7 +204,7 @@ async def main(args) -> dict:
             for ahead in [True, False] if args.both else [not args.no_ahead]:
                 engine.config.decode_ahead = ahead  # the scheduler reads it at every step
                 row = await one_batch(engine, prompts, args.steps, f"b{batch}-{ahead}")
-                row["decode_ahead"] = ahead
+                row["decode_ahead"], row["ragged"] = ahead, args.ragged
                 row["loop_thread"] = clock.summary(*row.pop("window"))
                 row["first_window_period_us"] = first_window.get("period_us")
                 # Speed of light at the rows' mean KV over the window, under uniform routing (an
@@ -207,6 +216,7 @@ async def main(args) -> dict:
                 out.write_text(json.dumps(result, indent=2))
                 print(f"engine batch {batch}, decode_ahead {ahead}: {row['tok_s']:.1f} tok/s, "
                       f"{row['ms_per_step']:.3f} ms/step ({row['window_tokens']} tokens in {row['window_s']:.2f} s); "
+                      f"scheduler {row['scheduler']}; "
                       f"loop thread medians (us): {row['loop_thread']}", flush=True)
     finally:
         await engine.shutdown()
@@ -225,5 +235,6 @@ if __name__ == "__main__":
     p.add_argument("--backend", default="megakernel", choices=("megakernel", "torch"))
     p.add_argument("--no-ahead", action="store_true", help="EngineConfig.decode_ahead off")
     p.add_argument("--both", action="store_true", help="decode_ahead on, then off, on the same weights")
+    p.add_argument("--ragged", action="store_true", help="row i's prompt i * 64 / B tokens shorter than --context")
     a = p.parse_args()
     asyncio.run(main(a))
