@@ -63,13 +63,16 @@ async def test_concurrent_greedy_requests_match_each_alone(make_engine):
     assert [t[0][0] for t in together] == alone
 
 
-async def test_preemption_under_a_tiny_page_budget_keeps_the_tokens(make_engine):
+@pytest.mark.parametrize("sampled_on", ["host", "device"])
+async def test_preemption_under_a_tiny_page_budget_keeps_the_tokens(make_engine, sampled_on):
     # Three 61-token prompts fit one page each; growing past 64 tokens each needs a second
-    # page, and 4 pages cannot hold all three: the loop runs out and the engine preempts.
+    # page, and 4 pages cannot hold all three: the loop runs out and the engine preempts. Drawn
+    # "on the device", steps are enqueued ahead, and the pool gives a row its second page a step
+    # early where it can (pool.reserve), or the step is not enqueued ahead.
     prompts = [[2] + list(range(100 * i + 10, 100 * i + 70)) for i in range(3)]
-    roomy = await make_engine(max_batch=3)
+    roomy = await make_engine(max_batch=3, device_sampler=sampler_for(sampled_on))
     alone = [(await collect(roomy, p, f"r{i}", max_tokens=30, ignore_eos=True))[0][0] for i, p in enumerate(prompts)]
-    tight = await make_engine(max_batch=3, num_kv_pages=4)
+    tight = await make_engine(max_batch=3, num_kv_pages=4, device_sampler=sampler_for(sampled_on))
     results = await asyncio.gather(*[
         collect(tight, p, f"t{i}", max_tokens=30, ignore_eos=True) for i, p in enumerate(prompts)])
     assert [r[0][0] for r in results] == alone
