@@ -373,6 +373,9 @@ class Scheduler:
             await self.reap()  # between chunks, so finished and cancelled rows leave promptly
             if self._loop_no_space:
                 await self.preempt_lowest()
+        if not lead.output.finished and not await self._room_for_first_step(lead):
+            self._release(lead, SeqStatus.WAITING)
+            return False
         if lead.output.finished:
             for seq in group:
                 self._release(seq, SeqStatus.FINISHED)
@@ -405,6 +408,21 @@ class Scheduler:
         logits = self.runner.prefill(chunk, start, tables, all_logits=True)  # [n, V]
         scorer.score(logits, start)
         return logits[-1].clone()  # not a view that keeps the chunk's [n, V] alive
+
+    async def _room_for_first_step(self, seq: Sequence) -> bool:
+        """Takes the page of the row's first decode position now (pool.reserve), making room as a
+        prefill chunk does. A row admitted without it, its KV ending on a page boundary, would
+        stop the loop for space at its first step and, the newest row, be preempted at once, to
+        be admitted and preempted again at every step of the others."""
+        while True:
+            try:
+                self.pool.reserve(seq.kv_seq)
+                return True
+            except native.NoSpace:
+                if not await self._make_room(seq):
+                    return False
+            except native.NativeError:  # at max_seq_len: the row takes no further position
+                return True
 
     async def _make_room(self, seq: Sequence) -> bool:
         running = [s for s in self.rows.values() if not s.output.finished]

@@ -63,20 +63,24 @@ async def test_concurrent_greedy_requests_match_each_alone(make_engine):
     assert [t[0][0] for t in together] == alone
 
 
+@pytest.mark.parametrize("pages", [4, 5])
 @pytest.mark.parametrize("sampled_on", ["host", "device"])
-async def test_preemption_under_a_tiny_page_budget_keeps_the_tokens(make_engine, sampled_on):
+async def test_preemption_under_a_tiny_page_budget_keeps_the_tokens(make_engine, sampled_on, pages):
     # Three 61-token prompts fit one page each; growing past 64 tokens each needs a second
-    # page, and 4 pages cannot hold all three: the loop runs out and the engine preempts. Drawn
-    # "on the device", steps are enqueued ahead, and the pool gives a row its second page a step
-    # early where it can (pool.reserve), or the step is not enqueued ahead.
+    # page, and 4 or 5 pages cannot hold all three: the loop runs out and the engine preempts.
+    # Drawn "on the device", steps are enqueued ahead, and the pool gives a row its second page a
+    # step early where it can (pool.reserve), or the step is not enqueued ahead.
     prompts = [[2] + list(range(100 * i + 10, 100 * i + 70)) for i in range(3)]
     roomy = await make_engine(max_batch=3, device_sampler=sampler_for(sampled_on))
     alone = [(await collect(roomy, p, f"r{i}", max_tokens=30, ignore_eos=True))[0][0] for i, p in enumerate(prompts)]
-    tight = await make_engine(max_batch=3, num_kv_pages=4, device_sampler=sampler_for(sampled_on))
+    tight = await make_engine(max_batch=3, num_kv_pages=pages, device_sampler=sampler_for(sampled_on))
     results = await asyncio.gather(*[
         collect(tight, p, f"t{i}", max_tokens=30, ignore_eos=True) for i, p in enumerate(prompts)])
     assert [r[0][0] for r in results] == alone
-    assert tight.metrics.num_preemptions._value.get() > 0
+    # The preempted row's recompute (64 tokens) ends on a page boundary: it is admitted again only
+    # with the page of its first decode step (else it stopped the loop there and was preempted
+    # again at every step of the others: 10-23 preemptions on 5 pages).
+    assert 1 <= tight.metrics.num_preemptions._value.get() <= 2
     assert (await settled(tight))["kv_pages_used"] == 0
 
 
