@@ -371,8 +371,14 @@ class Scheduler:
                 self.executor, self._prefill_chunk, chunk, pos, tables, scorer)
             pos += len(chunk)
             await self.reap()  # between chunks, so finished and cancelled rows leave promptly
+            # The loop ran out of pages meanwhile: a row admitted after this one gives way (and the
+            # loop goes on), or this one waits (an older running row is never preempted for a
+            # newer request's prefill).
             if self._loop_no_space:
-                await self.preempt_lowest()
+                if not await self._make_room(lead):
+                    self._release(lead, SeqStatus.WAITING)
+                    return False
+                self.resume()
         if not lead.output.finished and not await self._room_for_first_step(lead):
             self._release(lead, SeqStatus.WAITING)
             return False

@@ -77,10 +77,12 @@ async def test_preemption_under_a_tiny_page_budget_keeps_the_tokens(make_engine,
     results = await asyncio.gather(*[
         collect(tight, p, f"t{i}", max_tokens=30, ignore_eos=True) for i, p in enumerate(prompts)])
     assert [r[0][0] for r in results] == alone
-    # The preempted row's recompute (64 tokens) ends on a page boundary: it is admitted again only
+    # A preempted row whose recompute (64 tokens) ends on a page boundary is admitted again only
     # with the page of its first decode step (else it stopped the loop there and was preempted
-    # again at every step of the others: 10-23 preemptions on 5 pages).
-    assert 1 <= tight.metrics.num_preemptions._value.get() <= 2
+    # again at every step of the others: 10-23 preemptions on 5 pages), and a newer row's prefill
+    # never preempts an older running row. A readmitted row can still take pages another row
+    # needs at its next step: 1-3 preemptions over 60 runs on one core.
+    assert 1 <= tight.metrics.num_preemptions._value.get() <= 4
     assert (await settled(tight))["kv_pages_used"] == 0
 
 
