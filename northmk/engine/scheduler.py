@@ -419,9 +419,14 @@ class Scheduler:
         """Takes the page of the row's first decode position now (pool.reserve), making room as a
         prefill chunk does. A row admitted without it, its KV ending on a page boundary, would
         stop the loop for space at its first step and, the newest row, be preempted at once, to
-        be admitted and preempted again at every step of the others."""
+        be admitted and preempted again at every step of the others. The running rows, admitted
+        before it, take the pages of their next positions first: a row admitted into the page
+        one of them needs next would stop the loop the same way."""
         while True:
             try:
+                for row in list(self.rows.values()):
+                    if not row.output.finished and row.kv_seq is not None:
+                        self.pool.reserve(row.kv_seq)
                 self.pool.reserve(seq.kv_seq)
                 return True
             except native.NoSpace:

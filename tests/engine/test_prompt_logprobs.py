@@ -103,8 +103,9 @@ async def test_max_tokens_zero_scores_the_prompt_and_generates_nothing(make_engi
 
 
 async def test_preempted_requests_deliver_prompt_logprobs_once_and_unchanged(make_engine):
-    # Three 61-token prompts on 4 pages: growing past 64 tokens forces preemption and recompute.
-    prompts = [[2] + list(range(100 * i + 10, 100 * i + 70)) for i in range(3)]
+    # Three 41-token prompts on 4 pages, all admitted mid-page: growing past 64 tokens together
+    # forces a preemption and a recompute.
+    prompts = [[2] + list(range(100 * i + 10, 100 * i + 50)) for i in range(3)]
     params = dict(max_tokens=30, ignore_eos=True, prompt_logprobs=2)
     roomy = await make_engine(max_batch=3)
     alone = [await run(roomy, f"r{i}", p, **params) for i, p in enumerate(prompts)]
