@@ -426,14 +426,23 @@ class Scheduler:
             try:
                 for row in list(self.rows.values()):
                     if not row.output.finished and row.kv_seq is not None:
-                        self.pool.reserve(row.kv_seq)
-                self.pool.reserve(seq.kv_seq)
+                        self._reserve_next(row)
+                self._reserve_next(seq)
                 return True
             except native.NoSpace:
                 if not await self._make_room(seq):
                     return False
-            except native.NativeError:  # at max_seq_len: the row takes no further position
-                return True
+
+    def _reserve_next(self, seq: Sequence) -> None:
+        """The page of the sequence's next position (pool.reserve); raises NoSpace. Nothing for a
+        sequence at max_seq_len, which takes no further position."""
+        try:
+            self.pool.reserve(seq.kv_seq)
+        except native.NoSpace:
+            raise
+        except native.NativeError as exc:
+            if exc.status is not native.Status.ERR_INVALID_ARGUMENT:
+                raise
 
     async def _make_room(self, seq: Sequence) -> bool:
         running = [s for s in self.rows.values() if not s.output.finished]
