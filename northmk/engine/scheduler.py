@@ -83,13 +83,13 @@ class Scheduler:
         if params is None:
             if self._ahead is not None:  # enqueued before a park that brought a row needing the host
                 self._ahead = self._dropped(self._ahead)
-            logits = self.runner.decode(batch.tokens.tolist(), batch.positions.tolist(), self._tables(batch))
+            logits = self.runner.decode(batch.tokens.tolist(), batch.positions.tolist(), self._tables_of(batch.slots))
             results = sample_rows(logits, [s.sampler for s in seqs])
         else:
             step = self._take_ahead(batch)
             if step is None:
                 positions = batch.positions.tolist()
-                tables = self.runner.device_tables(self._tables(batch), positions)
+                tables = self.runner.device_tables(self._tables_of(batch.slots), positions)
                 step = self._enqueue(seqs, batch.seqs.tolist(), positions, params,
                                      torch.from_numpy(batch.tokens.astype(np.int32)), tables)
             ahead = self.config.decode_ahead and not self._park_wanted
@@ -99,9 +99,6 @@ class Scheduler:
             seq.output_ids.append(token)
             seq.pending_logprobs.append(lp)
         return [t for t, _ in results], [lp.logprob if lp else math.nan for _, lp in results]
-
-    def _tables(self, batch: native.StepInput) -> list[torch.Tensor]:
-        return self._tables_of(batch.slots)
 
     def _tables_of(self, slots: np.ndarray) -> list[torch.Tensor]:
         """The block tables of the loop's rows at `slots`, copied out of the pool's."""

@@ -63,6 +63,30 @@ async def test_concurrent_greedy_requests_match_each_alone(make_engine):
     assert [t[0][0] for t in together] == alone
 
 
+async def test_a_row_at_max_seq_len_needs_no_next_page_and_a_full_pool_says_so(make_engine):
+    """Admission takes the page of every running row's next position (Scheduler._reserve_next): none
+    for a row at max_seq_len, which takes no further position; NoSpace when the pool is full."""
+    from types import SimpleNamespace
+
+    from northmk.native import NoSpace
+
+    engine = await make_engine(max_model_len=128, num_kv_pages=2)
+    s, pool = engine.scheduler, engine.scheduler.pool
+    full, _ = pool.create_sequence()
+    pool.append(full, [5] * 128)  # max_seq_len: both pages
+    s._reserve_next(SimpleNamespace(kv_seq=full))
+    assert len(pool.seq_block_table(full, 0)) == 2
+    pool.free(full)
+    seq, _ = pool.create_sequence()
+    pool.append(seq, [5] * 64)
+    other, _ = pool.create_sequence()
+    pool.append(other, [6] * 64)  # the pool's two pages taken
+    with pytest.raises(NoSpace):
+        s._reserve_next(SimpleNamespace(kv_seq=seq))
+    pool.free(seq)
+    pool.free(other)
+
+
 @pytest.mark.parametrize("pages", [4, 5])
 @pytest.mark.parametrize("sampled_on", ["host", "device"])
 async def test_preemption_under_a_tiny_page_budget_keeps_the_tokens(make_engine, sampled_on, pages):
