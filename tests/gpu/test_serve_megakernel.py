@@ -187,6 +187,7 @@ async def test_steps_enqueued_ahead_change_no_token(engines):
         assert [(lp.token_id, lp.logprob) for lp in lps] == [(lp.token_id, lp.logprob) for lp in ref_lps]
     assert plain.scheduler.ahead_steps_taken == 0 == plain.scheduler.ahead_rows_dropped
     assert ahead.scheduler.ahead_steps_taken > 100
+    assert ahead.scheduler.ahead_pages_reserved >= 2  # the sampled row's steps at positions 64 and 128
     drawn = sum(len(ids) - 1 for ids, _ in got)  # each row's first token comes from prefill
     assert ahead.device_sampler.rows - ahead.scheduler.ahead_rows_dropped == drawn == plain.device_sampler.rows
 
