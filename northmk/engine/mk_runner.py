@@ -107,15 +107,10 @@ class MegakernelRunner(TorchRunner):
             block_tables, positions))
 
     def device_tables(self, block_tables: list[torch.Tensor], positions: list[int]) -> list[torch.Tensor]:
-        """The tables' columns up to the last position's page, int32 on the weights' device. The
-        upload goes from pinned memory without waiting: a step enqueued ahead is then enqueued
-        while the step before it runs. (The pinned buffer goes back to torch's host cache, which
-        reuses it only once the copy has run.)"""
+        """The tables' columns up to the last position's page, int32 on the weights' device."""
         cols = max(positions) // PAGE_SIZE + 1  # the kernel reads no page past the last position
         dev = self.megakernel.weights.device
-        pinned = [torch.empty((t.shape[0], cols), dtype=torch.int32, pin_memory=True).copy_(t[:, :cols])
-                  for t in block_tables]
-        return [t.to(dev, non_blocking=True) for t in pinned]
+        return [t[:, :cols].to(dev, torch.int32).contiguous() for t in block_tables]
 
     def decode_on_device(self, tokens: torch.Tensor, positions: list[int], tables: list[torch.Tensor]) -> torch.Tensor:
         """decode() on tokens and tables (device_tables) that may already be on the device, e.g. the
