@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# A/B runs of the decode benchmark in one device call: the library of each variant tree under
-# ab/ (made on the host by `tools/ab_bench.sh prepare NAME REV`, once per variant), built and benched in turn
-# against this tree's Python package, with the same arguments. ab/ is ignored by git: carry it
-# (with .whl, as for gpu_run.sh).
+# A/B runs of the decode benchmark in one device call: each variant tree under ab/ (made on the
+# host by `tools/ab_bench.sh prepare NAME REV`, once per variant: its library's sources and its
+# Python package), its library built and benched in turn by its own package, with the same
+# arguments. ab/ is ignored by git: carry it (with .whl, as for gpu_run.sh).
 #   host:   tools/ab_bench.sh prepare base 17c7d34 && tools/ab_bench.sh prepare new HEAD
 #   device: tools/ab_bench.sh run --batch 1 8 --steps 256 --no-peer
 # Each result lands in $OUT/ab-NAME-rROUND/; the last lines are one table row per (variant,
@@ -14,7 +14,7 @@ if [ "${1:-}" = prepare ]; then
   name=$2 rev=$3
   git rev-parse --verify -q "$rev^{commit}" >/dev/null || { echo "$0: $rev is not a revision" >&2; exit 2; }
   rm -rf "ab/$name" && mkdir -p "ab/$name"
-  git archive "$rev" CMakeLists.txt pyproject.toml include cuda tools | tar -x -C "ab/$name"
+  git archive "$rev" CMakeLists.txt pyproject.toml include cuda tools northmk | tar -x -C "ab/$name"
   git rev-parse --short "$rev" >"ab/$name/COMMIT"  # the results' commit (the device copy has no git)
   echo "ab/$name: $(cat "ab/$name/COMMIT")"
   exit 0
@@ -23,11 +23,12 @@ fi
 shift
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd) root=$PWD
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
 export PATH=$PATH:/usr/local/cuda/bin
-export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 # Build every variant (all at once, sharing the cores), then bench them in turn AB_ROUNDS times
 # (default 2): the device runs a little faster as a call goes on, so each variant takes every
 # position once per round.
@@ -56,8 +57,10 @@ for round in $(seq "${AB_ROUNDS:-2}"); do
   n=${#names[@]}
   for k in $(seq 0 $(( n - 1 ))); do
     name=${names[$(( (k + round - 1) % n ))]}
-    NORTHMK_COMMIT=$(cat "ab/$name/COMMIT") NORTHMK_LIB=$PWD/build/ab-$name/libnorthmk.so timeout ${AB_TIMEOUT:-120} \
-      python3 -m northmk.bench decode --out "$OUT/ab-$name-r$round" "$@" >"$OUT/ab-$name-r$round.log" 2>&1
+    # run from the variant's tree: its own package comes first on the path
+    (cd "ab/$name" && NORTHMK_COMMIT=$(cat COMMIT) NORTHMK_LIB=$root/build/ab-$name/libnorthmk.so \
+      timeout ${AB_TIMEOUT:-120} python3 -m northmk.bench decode --out "$OUT/ab-$name-r$round" "$@") \
+      >"$OUT/ab-$name-r$round.log" 2>&1
     echo "round $round: $name rc=$?"
   done
 done
