@@ -33,7 +33,7 @@ extern "C" {
 
 /* Bumped on every incompatible change of a declaration below; nmk_abi_version() returns the
  * library's value and bindings refuse a library whose value differs from theirs. */
-#define NMK_ABI_VERSION 5
+#define NMK_ABI_VERSION 6
 
 /* ==== status, errors, versions ==== */
 
@@ -519,21 +519,25 @@ NMK_API nmk_status nmk_schedule_check(const nmk_mk_geometry *geometry, const nmk
 
 /* ---- the megakernel (CUDA builds; NMK_ERR_UNSUPPORTED otherwise) ---- */
 
-/* Device pointers (bf16 unless noted) in the layout of northmk/model/weights.py. */
+/* Device pointers (bf16 unless noted) in the layout of northmk/model/weights.py, except those
+ * marked "tiled": a [R, K] matrix in the tiled layout (northmk.megakernel.tiled_layout) has R
+ * rounded up to a multiple of 16 with zero rows, and each band of 16 rows stored as its K / 32
+ * blocks of [16, 32] (row-major inside), one after another: element (r, c) at
+ * (r - r % 16) * K + (c / 32) * 512 + (r % 16) * 32 + c % 32. */
 typedef struct nmk_mk_layer {
     const void *norm;             /* [H] */
-    const void *qkv;              /* [Q + 2 KV, H] */
-    const void *o;                /* [H, Q] */
+    const void *qkv;              /* [Q + 2 KV, H], tiled */
+    const void *o;                /* [H, Q], tiled */
     const void *gate_up;          /* dense: [2 D, H], gate rows first */
     const void *down;             /* dense: [H, D] */
-    const void *router;           /* sparse: [E, H] */
+    const void *router;           /* sparse: [E, H], tiled */
     const void *experts_gate_up;  /* sparse: [E, 2 I, H] */
     const void *experts_down;     /* sparse: [E, H, I] */
     int32_t kv_group, kv_slot;    /* pages[kv_group][:, kv_slot] hold this layer's k, v */
 } nmk_mk_layer;
 
 typedef struct nmk_mk_weights {
-    const void *embed;            /* [V, H], also the tied lm_head */
+    const void *embed;            /* [V, H], tiled; also the tied lm_head */
     const void *final_norm;       /* [H] */
     const nmk_mk_layer *layers;   /* [num_layers], copied */
     void *kv_pages[NMK_KV_MAX_GROUPS];  /* [pages, layers_in_group, 2, kv_heads, page_size, head_dim] */

@@ -4,6 +4,7 @@ section of include/northmk.h); C prototypes beside their argtypes.
     Schedule(config, num_sms, context_lens)   host-built per-SM task lists and work queues, always available
     check_schedule(config, plan, tasks, sm_offsets, queue_offsets)   the checker on any lists and queues
     Megakernel(config, weights, kv)           one decode step per launch (CUDA builds, sm_90)
+    tiled_layout(w)                           a matrix in the layout the kernel streams it in
 """
 
 from __future__ import annotations
@@ -169,6 +170,20 @@ def unsupported_reason(config: ModelConfig) -> str | None:
     return None
 
 
+def tiled_layout(w: torch.Tensor) -> torch.Tensor:
+    """A copy of the matrix w [R, K] (K % 32 == 0) in the kernel's tiled layout, flat
+    (include/northmk.h, nmk_mk_layer): R rounded up to 16 with zero rows, each band of 16 rows
+    stored as its K / 32 blocks of [16, 32], so that a warp's weight load reads 512 contiguous
+    bytes (8 rows' 64 in the row-major layout)."""
+    if w.dim() != 2 or w.shape[1] % 32:
+        raise ValueError(f"need a [R, K] matrix with K a multiple of 32, got {tuple(w.shape)}")
+    rows, k = w.shape
+    bands = -(-rows // 16)
+    if rows % 16:
+        w = torch.cat((w, w.new_zeros(bands * 16 - rows, k)))
+    return w.reshape(bands, 16, k // 32, 32).transpose(1, 2).contiguous().view(-1)
+
+
 class _GeometryRef:
     """A Geometry plus the flag arrays it points into (kept alive together)."""
 
@@ -277,7 +292,9 @@ class Megakernel:
     """The whole decode forward pass of `config` as one persistent kernel per step.
 
     Weights and KV pages stay owned by the caller and must outlive this object; the kernel
-    reads and writes them in place (k, v of each step's token go into `kv`).
+    reads and writes them in place (k, v of each step's token go into `kv`). It streams the
+    attention, router and embedding matrices from copies in the tiled layout (tiled_layout;
+    2.8 GB at North Mini Code's geometry), which it holds, and the MLPs' in place.
     """
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, kv: PagedKVCache):
@@ -290,15 +307,23 @@ class Megakernel:
             raise ValueError("the megakernel needs tied embeddings (lm_head is embed)")
         self.config, self.weights, self.kv = config, weights, kv
         self._geometry = _GeometryRef(config)
+        self._tiled: list[torch.Tensor] = []  # the tiled copies, alive as long as the kernel
+
+        def tiled(w: torch.Tensor | None) -> int | None:
+            if w is None:
+                return None
+            self._tiled.append(tiled_layout(w))
+            return self._tiled[-1].data_ptr()
+
         self._layers = (Layer * config.num_layers)()
         for i, lw in enumerate(weights.layers):
             self._layers[i] = Layer(
-                norm=_ptr(lw.norm), qkv=_ptr(lw.qkv), o=_ptr(lw.o), gate_up=_ptr(lw.gate_up), down=_ptr(lw.down),
-                router=_ptr(lw.router), experts_gate_up=_ptr(lw.experts_gate_up), experts_down=_ptr(lw.experts_down),
+                norm=_ptr(lw.norm), qkv=tiled(lw.qkv), o=tiled(lw.o), gate_up=_ptr(lw.gate_up), down=_ptr(lw.down),
+                router=tiled(lw.router), experts_gate_up=_ptr(lw.experts_gate_up), experts_down=_ptr(lw.experts_down),
                 kv_group=config.layer_group[i], kv_slot=config.layer_slot[i])
         pages = (c_void_p * KV_MAX_GROUPS)(*[p.data_ptr() for p in kv.pages])
         num_pages = (c_uint32 * KV_MAX_GROUPS)(*kv.num_pages)
-        w = Weights(embed=_ptr(weights.embed), final_norm=_ptr(weights.final_norm), layers=self._layers, kv_pages=pages,
+        w = Weights(embed=tiled(weights.embed), final_norm=_ptr(weights.final_norm), layers=self._layers, kv_pages=pages,
                     kv_num_pages=num_pages)
         self._handle = c_void_p()
         with torch.cuda.device(weights.device):

@@ -21,6 +21,10 @@
 //   tma/6x32K/box64 both
 //   ld/FLAVOUR      mma.sync in bursts of 8 steps (DotBurst) with each flavour of weight load
 //                   (load_flavour): engine, nc-ef, nc, plain, cg, cs, nc256
+//   tiled/FLAVOUR   ld/FLAVOUR (engine, cs) on a copy of the weights in the tiled layout
+//                   (common.cuh's tiled_index): each (16-row band, 32-wide k step) block of 1 KB
+//                   contiguous, so a warp's load reads 512 contiguous bytes and its burst 8 KB
+//   tiled/gemv      the megakernel's gemv() on that copy, as it runs attention's weights
 // Every output of a sample of tiles is checked against a CPU reference (error relative to the
 // row's sum |w| |x|, 1e-2 at most). One line per (shape, path, batch); exit code 1 on a mismatch.
 //   northmk_gemv_bench [--quick] [--filter SUBSTR]... [--ctas N] [--pool-mib M]
@@ -87,6 +91,7 @@ struct Args {
     const TensorMap *maps;    // per matrix, 16-row boxes
     const TensorMap *tall_maps;  // per matrix, kTallBoxRows-row boxes
     const bf16 *pool;         // matrix m at pool + m * matrix_elems
+    const bf16 *tiled;        // the same matrices in the tiled layout (tile_layout)
     size_t matrix_elems;
     const bf16 *x;            // [8][kXStride]
     float *out;               // [ntiles][rows][8]
@@ -195,15 +200,16 @@ __device__ __forceinline__ uint4 load_flavour(const bf16 *p) {
     return v;
 }
 
-// Steps i < n (n <= S) of the 32-wide k steps from k: loads into wl, wh; mmas from them.
-template <int S, int F = kLoadEngine>
+// Steps i < n (n <= S) of the 32-wide k steps from k: loads into wl, wh; mmas from them. A lane's
+// weights of column k lie at lo + kScale * k (1 row-major, 16 in the tiled layout).
+template <int S, int F = kLoadEngine, int kScale = 1>
 __device__ __forceinline__ void load_steps(uint4 (&wl)[S], uint4 (&wh)[S], const bf16 *lo, const bf16 *hi, int k,
                                            int n) {
 #pragma unroll
     for (int i = 0; i < S; i++)
         if (i < n) {
-            wl[i] = load_flavour<F>(lo + k + 32 * i);
-            wh[i] = load_flavour<F>(hi + k + 32 * i);
+            wl[i] = load_flavour<F>(lo + kScale * (k + 32 * i));
+            wh[i] = load_flavour<F>(hi + kScale * (k + 32 * i));
         }
 }
 
@@ -216,20 +222,21 @@ __device__ __forceinline__ void mma_steps(float c[4], const uint4 (&wl)[S], cons
 }
 
 // Bursts of S steps loaded into registers, then their mmas; the rest in one burst of fewer steps.
-template <int S, int F = kLoadEngine>
+template <int S, int F = kLoadEngine, int kScale = 1>
 struct DotBurst {
     static constexpr bool kWarpgroups = false;  // mma.sync for every tile count
+    static constexpr bool kTiled = false;       // gemv passes each lane's row pointers
     __device__ __forceinline__ void operator()(const bf16 *lo, const bf16 *hi, uint32_t x, int ka, int kb,
                                                float c[4], char *) const {
         uint4 wl[S], wh[S];
         int k = ka;
         for (; k + 32 * S <= kb; k += 32 * S) {
-            load_steps<S, F>(wl, wh, lo, hi, k, S);
+            load_steps<S, F, kScale>(wl, wh, lo, hi, k, S);
             mma_steps(c, wl, wh, x, k, S);
         }
         const int n = (kb - k) / 32;
         if (n > 0) {
-            load_steps<S, F>(wl, wh, lo, hi, k, n);
+            load_steps<S, F, kScale>(wl, wh, lo, hi, k, n);
             mma_steps(c, wl, wh, x, k, n);
         }
     }
@@ -244,6 +251,7 @@ struct DotBurst {
 template <int S, int NB>
 struct DotRing {
     static constexpr bool kWarpgroups = false;  // mma.sync for every tile count
+    static constexpr bool kTiled = false;       // gemv passes each lane's row pointers
     __device__ __forceinline__ void operator()(const bf16 *lo, const bf16 *hi, uint32_t x, int ka, int kb,
                                                float c[4], char *) const {
         constexpr int kBatch = 32 * S;  // k per batch
@@ -283,6 +291,7 @@ struct DotRing {
 template <int S, int NB>
 struct DotAsync {
     static constexpr bool kWarpgroups = false;  // mma.sync for every tile count
+    static constexpr bool kTiled = false;       // gemv passes each lane's row pointers
     static constexpr int kStepBytes = 2 * kThreads * 16;
     static constexpr int kScratch = NB * S * kStepBytes;
     __device__ __forceinline__ void operator()(const bf16 *lo, const bf16 *hi, uint32_t x, int ka, int kb,
@@ -356,10 +365,23 @@ __device__ __forceinline__ void stage_bf16(bf16 *dst, const bf16 *src, int rows,
     fence_proxy_async_shared();
 }
 
-// common.cuh's gemv() as the megakernel runs it (the mma.sync and mma.sync+pf paths).
-using CommonDot = TileDot;
+// common.cuh's gemv() as the megakernel runs it on row-major weights (the mma.sync and
+// mma.sync+pf paths) and on tiled ones (tiled/gemv).
+using CommonDot = RowMajorDot;
 
-template <bool kPrefetch, class Dot>
+// dst = the first `rows` rows of each matrix (K wide) of src in the tiled layout (common.cuh's
+// tiled_index). A lane's columns 8 t + 32 s + e of its row r then lie at tiled_index(r, 0, K) +
+// 8 t + 16 * 32 s + e: DotBurst<.., 16> reads lo + 16 k.
+__global__ void tile_layout(const bf16 *src, bf16 *dst, size_t matrix_elems, int rows, int K) {
+    const size_t per_matrix = (size_t)rows * K;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < kMatrices * per_matrix;
+         i += (size_t)gridDim.x * blockDim.x) {
+        const size_t m = i / per_matrix, j = i % per_matrix;
+        dst[m * matrix_elems + tiled_index((int)(j / K), (int)(j % K), K)] = src[m * matrix_elems + j];
+    }
+}
+
+template <bool kPrefetch, class Dot, bool kTiled = false>
 __global__ void __launch_bounds__(kThreads, 1) mma_kernel(const __grid_constant__ Args a) {
     extern __shared__ __align__(1024) char smem_raw[];
     for (int i = blockIdx.x; i < a.ntiles; i += gridDim.x) {
@@ -380,7 +402,9 @@ __global__ void __launch_bounds__(kThreads, 1) mma_kernel(const __grid_constant_
         stage_bf16(s.in, a.x + bt.k0, a.batch, width, kXStride);
         __syncthreads();
         const auto row = [&](int r) {
-            return r < n0 ? W + (size_t)(bt.row0[0] + r) * K : W + (size_t)(bt.row0[1] + r - n0) * K;
+            const int mr = r < n0 ? bt.row0[0] + r : bt.row0[1] + r - n0;
+            if constexpr (kTiled) return a.tiled + bt.matrix * a.matrix_elems + tiled_index(mr, 0, K) + 16 * bt.k0;
+            return W + (size_t)mr * K;
         };
         gemv(row, a.rows, s.in, width, s.out, s.red, Dot{}, s.extra);
         write_out(s.out, a.out + (size_t)i * a.rows * 8, a.rows * 8);
@@ -461,6 +485,9 @@ const Path kPaths[] = {
     {"ld/cg", mma_kernel<false, DotBurst<8, kLoadCg>>, kSmem},
     {"ld/cs", mma_kernel<false, DotBurst<8, kLoadCs>>, kSmem},
     {"ld/nc256", mma_kernel<false, DotBurst<8, kLoadNc256>>, kSmem},
+    {"tiled/engine", mma_kernel<false, DotBurst<8, kLoadEngine, 16>, true>, kSmem},
+    {"tiled/cs", mma_kernel<false, DotBurst<8, kLoadCs, 16>, true>, kSmem},
+    {"tiled/gemv", mma_kernel<false, TileDot, true>, kSmem},
 };
 constexpr int kNumPaths = sizeof(kPaths) / sizeof(kPaths[0]);
 
@@ -511,8 +538,11 @@ int main(int argc, char **argv) {
     std::printf("%s: %d SMs, %.0f MHz; %zu MiB of weights in %d matrices per shape, %d rep(s), %d CTAs\n", prop.name,
                 sms, clock_khz / 1e3, pool_bytes >> 20, kMatrices, reps, grid);
 
-    bf16 *pool = nullptr;
+    bf16 *pool = nullptr, *tiled = nullptr;
     CHECK(cudaMalloc(&pool, pool_bytes));
+    bool any_tiled = false;
+    for (int p : paths) any_tiled |= std::strncmp(kPaths[p].name, "tiled/", 6) == 0;
+    if (any_tiled) CHECK(cudaMalloc(&tiled, pool_bytes));
     const size_t pool_elems = pool_bytes / sizeof(bf16), matrix_elems = pool_elems / kMatrices;
     fill_random<<<4 * sms, 256>>>(pool, pool_elems, 1);
     CHECK(cudaGetLastError());
@@ -556,6 +586,10 @@ int main(int argc, char **argv) {
     for (const Shape &sh : kShapes) {
         int matrix_rows = 0;
         const std::vector<BenchTile> tiles = make_tiles(sh, matrix_elems, matrix_rows);
+        if (tiled) {
+            tile_layout<<<4 * sms, 256>>>(pool, tiled, matrix_elems, matrix_rows, sh.K);
+            CHECK(cudaGetLastError());
+        }
         const int ntiles = (int)tiles.size(), width = sh.K / sh.ksplit;
         std::vector<TensorMap> hmaps(kMatrices), htall(kMatrices);
         try {
@@ -583,7 +617,8 @@ int main(int argc, char **argv) {
                              std::vector<std::vector<float>>(kNumPaths)});
 
         for (int batch : {1, 8}) {
-            const Args args{dtiles, ntiles, sh.rows, sh.K, batch, maps, tall_maps, pool, matrix_elems, x, out, ready};
+            const Args args{dtiles, ntiles, sh.rows, sh.K, batch, maps, tall_maps, pool, tiled, matrix_elems, x, out,
+                            ready};
             double best[kNumPaths];
             for (int path : paths) {
                 CHECK(cudaMemset(out, 0xff, out_elems * sizeof(float)));  // NaN where nothing is written

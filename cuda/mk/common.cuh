@@ -22,12 +22,27 @@ __device__ __forceinline__ uint64_t evict_first_policy() {
 // 256-byte fetch, each streamed 6-20% faster than the non-coherent load with an evict_first policy
 // used before; in the kernel the two together ran batch 1 4.8% faster, the 256-byte fetch with
 // the evict_first policy 3.3% (benchmarks/NOTES.md, session 18).
+// Weights in the tiled layout read whole 128-byte lines per warp load: plain streaming loads
+// (the 256-byte fetch measured slower there: benchmarks/NOTES.md, session 19).
+template <bool kTiled = false>
 __device__ __forceinline__ uint4 load_weight(const bf16 *p) {
     uint4 v;
-    asm volatile("ld.global.cs.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
+    if constexpr (kTiled)
+        asm volatile("ld.global.cs.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    else
+        asm volatile("ld.global.cs.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                     : "l"(p));
     return v;
+}
+
+// The tiled layout of a [R][K] weight matrix (include/northmk.h): R rounded up to 16 (zero rows),
+// each 16-row band stored as its K / 32 blocks of [16][32], block after block. A band takes the
+// 16 K elements a row-major band would, so a tile of rows r0.. (r0 % 16 == 0) starts at W + r0 K
+// in either layout; a lane's 16 bytes of row g (g + 8) of a block lie at 16 * lane (+ 512) bytes,
+// and a warp's load reads 512 contiguous bytes.
+__device__ __forceinline__ size_t tiled_index(int r, int c, int K) {
+    return (size_t)(r & ~15) * K + (c >> 5) * 512 + (r & 15) * 32 + (c & 31);
 }
 
 // Step scratch and KV are written by other SMs during the step: read them from L2.
@@ -397,12 +412,14 @@ constexpr int kStepsInFlight = 8;  // 32-wide k steps whose weight loads a lane 
 
 // c += rows lo, hi (lane's rows g, g + 8) . input row g over k in [ka, kb) (multiples of 32):
 // with wgmma (kWg, the whole warpgroup at once; in_addr the input's address) or mma.sync
-// (in_addr the lane's ldmatrix address).
+// (in_addr the lane's ldmatrix address). Row-major weights hold the lane's column k at lo + k;
+// tiled ones (kTiled) at lo + 16 k.
 // With `ready` the input lands by a bulk copy (stage_image): each burst's loads are issued
 // before the wait (once the copy is complete, the wait passes at once).
-template <bool kWg>
+template <bool kWg, bool kTiled>
 __device__ __forceinline__ void tile_dot(const bf16 *lo, const bf16 *hi, uint32_t in_addr, int ka, int kb, float c[4],
                                          uint64_t *ready, uint32_t parity) {
+    constexpr int kScale = kTiled ? 16 : 1;
     int k = ka;
     uint4 wl[kStepsInFlight], wh[kStepsInFlight];
     float acc[kChains][4] = {};
@@ -410,8 +427,8 @@ __device__ __forceinline__ void tile_dot(const bf16 *lo, const bf16 *hi, uint32_
     for (; k + 32 * kStepsInFlight <= kb; k += 32 * kStepsInFlight) {
 #pragma unroll
         for (int i = 0; i < kStepsInFlight; i++) {
-            wl[i] = load_weight(lo + k + 32 * i);
-            wh[i] = load_weight(hi + k + 32 * i);
+            wl[i] = load_weight<kTiled>(lo + kScale * (k + 32 * i));
+            wh[i] = load_weight<kTiled>(hi + kScale * (k + 32 * i));
         }
         if (ready) mbar_wait(ready, parity);
         if (kWg) {
@@ -424,7 +441,7 @@ __device__ __forceinline__ void tile_dot(const bf16 *lo, const bf16 *hi, uint32_
     }
 #pragma unroll 1
     for (; k < kb; k += 32) {
-        const uint4 l = load_weight(lo + k), h = load_weight(hi + k);
+        const uint4 l = load_weight<kTiled>(lo + kScale * k), h = load_weight<kTiled>(hi + kScale * k);
         if (ready) mbar_wait(ready, parity);
         if (kWg) wgmma_steps<1>(acc, &l, &h, in_desc(in_addr, k));
         else mma_k32(acc[0], l, h, load_in_k32(in_addr, k));
@@ -435,21 +452,26 @@ __device__ __forceinline__ void tile_dot(const bf16 *lo, const bf16 *hi, uint32_
         for (int v = 0; v < 4; v++) c[v] += acc[j][v];
 }
 
-// tile_dot as gemv's k loops; tools/gemv_bench.cu passes others (with shared scratch, mma.sync
-// only: kWarpgroups false) in its place.
-struct TileDot {
+// tile_dot as gemv's k loops, over weights in the tiled layout (TileDot: attention's, the router's
+// and the LM head's) or row-major (RowMajorDot: the MLPs'); tools/gemv_bench.cu passes others
+// (with shared scratch, mma.sync only: kWarpgroups false) in its place.
+template <bool kTiledLayout>
+struct TileDotT {
     static constexpr bool kWarpgroups = true;  // has warpgroup(): tiles in fours run as wgmma
+    static constexpr bool kTiled = kTiledLayout;
     uint64_t *ready = nullptr;                 // the input's bulk copy (stage_image), or none
     uint32_t parity = 0;
     __device__ __forceinline__ void operator()(const bf16 *lo, const bf16 *hi, uint32_t lane_addr, int ka, int kb,
                                                float c[4], char *) const {
-        tile_dot<false>(lo, hi, lane_addr, ka, kb, c, ready, parity);
+        tile_dot<false, kTiled>(lo, hi, lane_addr, ka, kb, c, ready, parity);
     }
     __device__ __forceinline__ void warpgroup(const bf16 *lo, const bf16 *hi, uint32_t in_addr, int ka, int kb,
                                               float c[4]) const {
-        tile_dot<true>(lo, hi, in_addr, ka, kb, c, ready, parity);
+        tile_dot<true, kTiled>(lo, hi, in_addr, ka, kb, c, ready, parity);
     }
 };
+using TileDot = TileDotT<true>;
+using RowMajorDot = TileDotT<false>;
 
 // dot.warpgroup(...) for a Dot that has it (gemv calls it only then).
 template <class Dot>
@@ -488,7 +510,12 @@ __device__ __forceinline__ void gemv(Row row, int n_rows, const bf16 *in, int K,
 #pragma unroll 1
     for (int u = first; u < units; u += stride) {
         const int tile = wg ? u / ks * 4 + warp % 4 : u / ks, part = u % ks, item = tile * ks + part, r = tile * 16 + g;
-        const bf16 *lo = row(min(r, n_rows - 1)) + 8 * t, *hi = row(min(r + 8, n_rows - 1)) + 8 * t;
+        const bf16 *lo, *hi;
+        if constexpr (Dot::kTiled) {  // the band's rows past n_rows are the layout's zero rows
+            lo = row(tile * 16) + 8 * lane, hi = lo + 256;
+        } else {
+            lo = row(min(r, n_rows - 1)) + 8 * t, hi = row(min(r + 8, n_rows - 1)) + 8 * t;
+        }
         const int ka = steps * part / ks * 32, kb = steps * (part + 1) / ks * 32;
         float c[4] = {0.f, 0.f, 0.f, 0.f};
         if (wg) warpgroup_dot(dot, lo, hi, in_addr, ka, kb, c);

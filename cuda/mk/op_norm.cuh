@@ -37,7 +37,7 @@ __device__ void run_norm(const Params &p, int layer, bool final, int tile, char 
             const int b = r0 + (k0 + k) * kRowsPerPass;
             if (k0 + k >= kPasses || b >= B) continue;
             if (prev < 0) {
-                x[k] = __bfloat162float(p.embed[(size_t)p.tokens[b] * p.hidden + c]);
+                x[k] = __bfloat162float(p.embed[tiled_index(p.tokens[b], c, p.hidden)]);
                 continue;
             }
             x[k] = load_l2(p.x + (size_t)b * p.hidden + c);
