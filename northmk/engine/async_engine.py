@@ -42,8 +42,9 @@ class AsyncEngine:
         limit = min(config.max_model_len or self.model_config.max_position_embeddings,
                     self.model_config.max_position_embeddings)
         # A sequence longer than the full-attention pages could never finish: cap the context there.
-        if FULL in self.model_config.attention_groups:
-            limit = min(limit, runner.kv.num_pages[0] * PAGE_SIZE)
+        self._full_pages = runner.kv.num_pages[0] if FULL in self.model_config.attention_groups else None
+        if self._full_pages is not None:
+            limit = min(limit, self._full_pages * PAGE_SIZE)
         self.max_model_len = limit
         self.served_model_name = config.served_model_name or model_path.name
         self.eos_ids = _eos_ids(self.model_config, tokenizer)
@@ -127,7 +128,8 @@ class AsyncEngine:
     async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as the engine produces them; closing the iterator aborts it."""
         s = self._admission_check()
-        validate_request(request, self.model_config.vocab_size, self.max_model_len, self.config)
+        validate_request(request, self.model_config.vocab_size, self.max_model_len, self.config, self._full_pages,
+                         PAGE_SIZE)
         if request.request_id in s.requests:
             raise RequestRejected(f"request id {request.request_id!r} is already running", "request_id")
         req = self._new_request(request)

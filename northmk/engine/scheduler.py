@@ -379,6 +379,9 @@ class Scheduler:
         if not lead.output.finished and not await self._room_for_first_step(lead):
             self._release(lead, SeqStatus.WAITING)
             return False
+        if not lead.output.finished and not req.prefilled and not await self._fork_choices(lead, group):
+            self._release(lead, SeqStatus.WAITING)
+            return False
         if lead.output.finished:
             for seq in group:
                 self._release(seq, SeqStatus.FINISHED)
@@ -448,16 +451,34 @@ class Scheduler:
             return False
         return await self.preempt_lowest()
 
+    async def _fork_choices(self, lead: Sequence, group: list[Sequence]) -> bool:
+        """Forks the prompt's pages to every other choice (a fresh copy of a partly filled last
+        page), each with the page of its first decode position, making room as a prefill chunk
+        does. False when no room can be made: no choice holds a page then. Nothing to fork when
+        the request decodes no token (max_tokens 0)."""
+        if lead.remaining == 0:
+            return True
+        while True:
+            try:
+                for seq in group[1:]:
+                    if seq.kv_seq is None:
+                        child, copies = self.pool.fork(lead.kv_seq)
+                        for group_id, src, dst in copies:
+                            self.runner.copy_page(group_id, src, dst)
+                        seq.kv_seq = child
+                        self.by_kv[child] = seq
+                    self._reserve_next(seq)
+                return True
+            except native.NoSpace:
+                if not await self._make_room(lead):
+                    for seq in group[1:]:
+                        self._release(seq, SeqStatus.WAITING)
+                    return False
+
     async def _start_choices(self, lead: Sequence, group: list[Sequence], logits: torch.Tensor) -> bool:
-        """Fork the prompt's pages to every choice and sample each one's first token
-        (max_tokens 0: finish every choice with none)."""
+        """Sample each choice's first token (max_tokens 0: finish every choice with none); the
+        choices hold their forks of the prompt's pages (_fork_choices)."""
         req = lead.request
-        for seq in group[1:]:
-            child, copies = self.pool.fork(lead.kv_seq)
-            for group_id, src, dst in copies:
-                self.runner.copy_page(group_id, src, dst)
-            seq.kv_seq = child
-            self.by_kv[child] = seq
         if lead.remaining == 0:
             for seq in group:
                 seq.output.finish_empty()

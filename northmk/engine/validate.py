@@ -35,7 +35,9 @@ def _check(ok: bool, message: str, name: str) -> None:
         raise RequestRejected(message, name)
 
 
-def validate_request(request: GenerationRequest, vocab_size: int, max_model_len: int, engine: EngineConfig) -> None:
+def validate_request(request: GenerationRequest, vocab_size: int, max_model_len: int, engine: EngineConfig,
+                     kv_pages: int | None = None, page_size: int = 64) -> None:
+    """kv_pages: the pages of the KV group that holds every position (full attention), if any."""
     p, prompt = request.params, request.prompt_token_ids
     _token_ids(prompt, vocab_size, "prompt")
     _check(len(prompt) > 0, "the prompt is empty", "prompt")
@@ -48,6 +50,12 @@ def validate_request(request: GenerationRequest, vocab_size: int, max_model_len:
         _check(len(prompt) + p.max_tokens <= max_model_len,
                f"prompt ({len(prompt)} tokens) + max_tokens ({p.max_tokens}) exceeds the context of {max_model_len}",
                "max_tokens")
+    if kv_pages is not None and p.max_tokens != 0:
+        # To start, the choices share the prompt's full pages; each holds its own copy of a partly
+        # filled last page, or takes a fresh page for its first new token (Scheduler._fork_choices).
+        need = -(-len(prompt) // page_size) + (n - 1 if len(prompt) % page_size else n)
+        _check(need <= kv_pages, f"{n} choices of a {len(prompt)}-token prompt need {need} KV pages to start; "
+               f"the cache holds {kv_pages}", "n")
     _check(_integer(p.min_tokens, "min_tokens") >= 0, "min_tokens must be >= 0", "min_tokens")
     if p.max_tokens is not None:
         _check(p.min_tokens <= p.max_tokens, "min_tokens must not exceed max_tokens", "min_tokens")

@@ -149,6 +149,52 @@ async def test_n_choices_share_the_prompt_and_sample_independently(make_engine):
     assert again == choices
 
 
+async def test_choices_that_find_no_pages_wait_for_an_older_request_and_match_a_roomy_run(make_engine):
+    """Each choice of an n > 1 request holds its own copy of the prompt's partly filled last page
+    (the pool's fork). On 4 pages, with an older request holding 2, the third choice's fork finds
+    none: the request waits (it never preempts an older row) and runs once the older one is done.
+    (The fork's NoSpace used to kill the engine.)"""
+    older_prompt, prompt = [2] + list(range(40, 109)), [2, 17, 99, 301, 5]  # 70 tokens: 2 pages; 1 page
+    params = dict(n=3, temperature=1.0, seed=11, max_tokens=8, ignore_eos=True)
+    roomy = await make_engine(max_batch=4)
+    want_older = (await collect(roomy, older_prompt, "o", max_tokens=20, ignore_eos=True))[0]
+    want = (await collect(roomy, prompt, "n", **params))[0]
+    tight = await make_engine(max_batch=4, num_kv_pages=4)
+    older = tight.generate(GenerationRequest("o", older_prompt, SamplingParams(temperature=0.0, max_tokens=20,
+                                                                               ignore_eos=True)))
+    first = await anext(older)  # a decoding row on 2 of the 4 pages
+    got, older_rest = await asyncio.gather(collect(tight, prompt, "n", **params), collect_rest(older))
+    assert got[0] == want
+    assert first.outputs[0].token_ids + older_rest == want_older[0]
+    assert tight.metrics.num_preemptions._value.get() == 0
+    assert (await settled(tight))["kv_pages_used"] == 0
+
+
+async def collect_rest(outputs) -> list[int]:
+    return [t async for out in outputs for c in out.outputs for t in c.token_ids]
+
+
+async def test_choices_that_could_never_start_on_the_pool_are_rejected(make_engine):
+    """n choices of a prompt need its pages plus, each but the first, a copy of its partly filled
+    last page (or, on a page boundary, one page each for the first new token): more than the
+    whole pool is a RequestRejected naming n, and the engine serves on."""
+    engine = await make_engine(max_batch=4, num_kv_pages=2)
+    with pytest.raises(RequestRejected, match="3 choices of a 5-token prompt need 3 KV pages to start; the cache holds 2") as err:
+        # (not rejected, such a request would wait for pages for ever)
+        await asyncio.wait_for(anext(engine.generate(GenerationRequest("n3", [2, 17, 99, 301, 5], SamplingParams(n=3)))),
+                               10)
+    assert err.value.param == "n"
+    with pytest.raises(RequestRejected, match="2 choices of a 64-token prompt need 3 KV pages"):
+        await asyncio.wait_for(anext(engine.generate(GenerationRequest("n2", [2] * 64, SamplingParams(n=2)))), 10)
+    # n = 2 fits (1 page + 1 copy), and n = 3 with max_tokens 0 forks nothing
+    choices, _, _ = await collect(engine, [2, 17, 99, 301, 5], "n2", n=2, temperature=1.0, seed=3, max_tokens=4,
+                                  ignore_eos=True)
+    assert sorted(choices) == [0, 1] and all(len(c) == 4 for c in choices.values())
+    choices, _, _ = await collect(engine, [2, 17, 99, 301, 5], "n0", n=3, max_tokens=0)
+    assert sorted(choices) == [0, 1, 2] and not any(choices.values())
+    assert (await settled(engine))["kv_pages_used"] == 0
+
+
 async def test_seeded_sampling_does_not_depend_on_the_batch(make_engine):
     engine = await make_engine()
     params = dict(temperature=0.9, top_p=0.95, seed=5, max_tokens=16, ignore_eos=True)
