@@ -59,6 +59,9 @@ class Scheduler:
         self._ahead: _DeviceStep | None = None  # the step enqueued ahead by the last decode_step
         self._epoch = 0  # parks so far: a step enqueued before a park is not used after it
         self._park_wanted = False  # park() asked the loop to park: a step enqueued ahead now would be dropped
+        # The request at the head of the queue that found no pages, and the pages then available:
+        # it is tried again once more are (each try parks the loop, which then makes no progress).
+        self._blocked: tuple[Sequence, int] | None = None
         # _host_buffer's, allocated once before the first step rather than a pinned tensor per step
         self._host_buffers = [torch.empty(2 * config.max_batch, dtype=torch.int32, pin_memory=True)
                               for _ in range(2)] if device_sampler is not None and runner.kv.pages[0].is_cuda else []
@@ -283,6 +286,9 @@ class Scheduler:
         await self.park()
         victim = max(running, key=lambda s: s.order)
         self._release(victim, SeqStatus.WAITING)
+        # Pages are free now: a prefill before the loop resumes must not read the flag as the loop
+        # being out of them (the loop parks again if the rest still lack a page).
+        self._loop_no_space = False
         victim.num_preemptions += 1
         self.metrics.num_preemptions.inc()
         self.waiting.appendleft(victim)
@@ -319,13 +325,22 @@ class Scheduler:
             group = [lead] if lead.request.prefilled else lead.request.seqs
             if len(self.free_slots) < len(group):
                 return
+            if (self._blocked is not None and self._blocked[0] is lead and self.rows
+                    and self._available_pages() <= self._blocked[1]):
+                return  # only a row that finishes, or is preempted, gives pages back
             self.waiting.popleft()
             if not await self.prefill(lead, group):
                 self.waiting.appendleft(lead)
+                self._blocked = (lead, self._available_pages())
                 return
+            self._blocked = None
             await self.reap()
             if self._loop_no_space:
                 await self.preempt_lowest()
+
+    def _available_pages(self) -> int:
+        """Pages free or held only by the prefix cache (which gives them up), every group."""
+        return sum(u.free + u.cached for u in map(self.pool.usage, self.groups))
 
     async def prefill(self, lead: Sequence, group: list[Sequence]) -> bool:
         """Compute the KV of the lead's tokens, start its (forked) choices as loop rows.

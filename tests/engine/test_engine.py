@@ -2,6 +2,7 @@
 the PyTorch reference model on CPU."""
 
 import asyncio
+import random
 import time
 
 import pytest
@@ -168,6 +169,32 @@ async def test_choices_that_find_no_pages_wait_for_an_older_request_and_match_a_
     assert first.outputs[0].token_ids + older_rest == want_older[0]
     assert tight.metrics.num_preemptions._value.get() == 0
     assert (await settled(tight))["kv_pages_used"] == 0
+
+
+@pytest.mark.parametrize("sampled_on, seed", [("host", 1), ("host", 4), ("host", 6), ("device", 1)])
+async def test_a_mixed_workload_on_too_few_pages_keeps_every_token(make_engine, sampled_on, seed):
+    """14 requests at once, 1-3 choices each, prompts on and around page boundaries, on 5 and 6
+    pages, far fewer than they take together: the engine forks, preempts or waits, and every
+    choice's tokens are those of a roomy engine; every page comes back. (Found two hangs: a
+    request retried in a loop that parked the decode loop at once, so the rows it waited for
+    never stepped, which seeds 1 and 4 show; and a prefill that read a preemption's stale
+    out-of-pages flag as the loop being out of pages, and waited with nothing running, which
+    seed 6 showed in one run of two.)"""
+    rng = random.Random(seed)
+    requests = []
+    for i in range(14):
+        prompt = [2] + [rng.randrange(10, 900) for _ in range(rng.choice([5, 30, 63, 64, 65, 100, 128]) - 1)]
+        params = dict(n=rng.choice([1, 1, 2, 3]), temperature=1.0, seed=i, max_tokens=rng.choice([4, 20, 70]),
+                      ignore_eos=True)
+        requests.append((f"r{i}", prompt, params))
+    roomy = await make_engine(max_batch=4, device_sampler=sampler_for(sampled_on))
+    want = [(await collect(roomy, prompt, rid, **params))[0] for rid, prompt, params in requests]
+    for pages in (5, 6):
+        tight = await make_engine(max_batch=4, num_kv_pages=pages, device_sampler=sampler_for(sampled_on))
+        got = await asyncio.wait_for(
+            asyncio.gather(*[collect(tight, prompt, rid, **params) for rid, prompt, params in requests]), 60)
+        assert [choices for choices, _, _ in got] == want
+        assert (await settled(tight))["kv_pages_used"] == 0
 
 
 async def collect_rest(outputs) -> list[int]:
