@@ -5,6 +5,7 @@ section of include/northmk.h); C prototypes beside their argtypes.
     check_schedule(config, plan, tasks, sm_offsets, queue_offsets)   the checker on any lists and queues
     Megakernel(config, weights, kv)           one decode step per launch (CUDA builds, sm_90)
     tiled_layout(w)                           a matrix in the layout the kernel streams it in
+    tiled_copies(weights)                     the matrices Megakernel copies into that layout
 """
 
 from __future__ import annotations
@@ -182,6 +183,17 @@ def tiled_layout(w: torch.Tensor) -> torch.Tensor:
     if rows % 16:
         w = torch.cat((w, w.new_zeros(bands * 16 - rows, k)))
     return w.reshape(bands, 16, k // 32, 32).transpose(1, 2).contiguous().view(-1)
+
+
+def tiled_copies(weights: ModelWeights) -> list[torch.Tensor]:
+    """The matrices the kernel streams from copies in the tiled layout: each layer's qkv, o and
+    router (None where a layer has none), then the embedding."""
+    return [w for lw in weights.layers for w in (lw.qkv, lw.o, lw.router) if w is not None] + [weights.embed]
+
+
+def tiled_bytes(weights: ModelWeights) -> int:
+    """Device memory of Megakernel's tiled copies of `weights` (rows padded to 16)."""
+    return sum(-(-w.shape[0] // 16) * 16 * w.shape[1] * w.element_size() for w in tiled_copies(weights))
 
 
 class _GeometryRef:

@@ -34,3 +34,15 @@ def test_a_warp_load_reads_one_row_band_block_in_lane_order():
 def test_other_shapes_are_refused(shape):
     with pytest.raises(ValueError, match="multiple of 32"):
         tiled_layout(torch.zeros(shape))
+
+
+def test_tiled_bytes_are_the_padded_copies_of_attention_the_router_and_the_embedding(tmp_path):
+    from northmk.checkpoint import load_checkpoint
+    from northmk.checkpoint_writer import config_dict, write_checkpoint
+    from northmk.megakernel import tiled_bytes, tiled_copies
+
+    config, weights = load_checkpoint(write_checkpoint(tmp_path, config_dict("tiny"), seed=0, dtype="float32"))
+    copies = tiled_copies(weights)
+    sparse = sum(lw.router is not None for lw in weights.layers)
+    assert len(copies) == 2 * config.num_layers + sparse + 1 and copies[-1] is weights.embed
+    assert tiled_bytes(weights) == sum(tiled_layout(w).numel() * w.element_size() for w in copies)

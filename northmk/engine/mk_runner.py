@@ -14,7 +14,7 @@ import torch
 
 from .. import telemetry
 from ..config import PAGE_SIZE, ModelConfig
-from ..megakernel import MAX_BATCH, Megakernel, Schedule, unsupported_reason
+from ..megakernel import MAX_BATCH, Megakernel, Schedule, tiled_bytes, unsupported_reason
 from ..model.weights import ModelWeights
 from ..native._lib import NativeError, load
 from .config import EngineConfig
@@ -70,6 +70,11 @@ class MegakernelRunner(TorchRunner):
         self.megakernel = Megakernel(model_config, weights, self.kv)
         self._preparing: threading.Thread | None = None
         self._stop = threading.Event()
+
+    @staticmethod
+    def reserved_bytes(weights: ModelWeights) -> int:
+        """The kernel's tiled copies of attention's, the router's and the embedding's weights."""
+        return tiled_bytes(weights)
 
     def prepare_schedules(self, max_batch: int, max_len: int) -> None:
         """Builds on a background thread the kernel schedule of every batch size up to max_batch

@@ -20,12 +20,14 @@ from .config import EngineConfig
 CPU_KV_BUDGET_BYTES = 2 << 30  # default KV arena cap on CPU
 
 
-def kv_page_counts(engine: EngineConfig, model: ModelConfig, max_model_len: int, dtype: torch.dtype) -> list[int]:
+def kv_page_counts(engine: EngineConfig, model: ModelConfig, max_model_len: int, dtype: torch.dtype,
+                   reserved_bytes: int = 0) -> list[int]:
     """Physical pages per attention group.
 
     Full group: `num_kv_pages`, else enough for max_batch rows of max_model_len (capped by
-    the memory budget). Sliding group: never more than the full group needs, never fewer
-    than one row's window plus a prefill chunk (a row must always be able to progress).
+    the memory budget, less `reserved_bytes` the backend allocates after the KV). Sliding group:
+    never more than the full group needs, never fewer than one row's window plus a prefill
+    chunk (a row must always be able to progress).
     """
     window_pages = 0
     if model.sliding_window is not None:
@@ -34,7 +36,7 @@ def kv_page_counts(engine: EngineConfig, model: ModelConfig, max_model_len: int,
         full = engine.num_kv_pages
     else:
         per_row = math.ceil(max_model_len / PAGE_SIZE)
-        budget = _kv_budget_bytes(engine)
+        budget = max(0, _kv_budget_bytes(engine) - reserved_bytes)
         page_bytes = sum(PagedKVCache.bytes_per_page(model, dtype))
         full = max(per_row, min(engine.max_batch * per_row, budget // page_bytes))
     counts = []
@@ -62,7 +64,13 @@ class TorchRunner:
     def load(cls, engine: EngineConfig, path, max_model_len: int) -> "TorchRunner":
         dtype = parse_dtype(engine.dtype)
         model_config, weights = load_checkpoint(path, dtype=dtype, device=engine.device)
-        return cls(model_config, weights, kv_page_counts(engine, model_config, max_model_len, dtype))
+        reserved = cls.reserved_bytes(weights)
+        return cls(model_config, weights, kv_page_counts(engine, model_config, max_model_len, dtype, reserved))
+
+    @staticmethod
+    def reserved_bytes(weights: ModelWeights) -> int:
+        """Device memory the backend allocates beside the weights and the KV (none here)."""
+        return 0
 
     def prefill(self, tokens: list[int], start: int, block_tables: list[torch.Tensor],
                 all_logits: bool = False) -> torch.Tensor:

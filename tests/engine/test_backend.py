@@ -67,6 +67,21 @@ async def run(engine, prompt, request_id, **params):
 
 
 # ---- choosing the backend ---------------------------------------------------------------------
+def test_the_kv_budget_leaves_what_the_backend_allocates_beside_the_kv():
+    """kv_page_counts sizes the full group from the memory budget less the backend's reserved
+    bytes (the megakernel's tiled weight copies: MegakernelRunner.reserved_bytes)."""
+    from northmk.engine.runner import CPU_KV_BUDGET_BYTES, kv_page_counts
+    from northmk.model.kv import PagedKVCache
+
+    model = ModelConfig.from_dict(config_dict("tiny"))
+    engine, long = EngineConfig(max_batch=8), 10_000 * 64  # the budget binds: 8 rows of it take ~80K pages
+    page = sum(PagedKVCache.bytes_per_page(model, torch.float32))
+    assert kv_page_counts(engine, model, long, torch.float32)[0] == CPU_KV_BUDGET_BYTES // page
+    assert kv_page_counts(engine, model, long, torch.float32, 1 << 30)[0] == (CPU_KV_BUDGET_BYTES - (1 << 30)) // page
+    # never fewer than one row of max_model_len
+    assert kv_page_counts(engine, model, 4096, torch.float32, 4 << 30)[0] == 4096 // 64
+
+
 def test_auto_is_the_default_and_picks_torch_on_cpu_saying_why(tiny_checkpoint):
     assert EngineConfig().backend == "auto"
     with structlog.testing.capture_logs() as logs:
