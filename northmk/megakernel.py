@@ -306,7 +306,7 @@ class Megakernel:
     Weights and KV pages stay owned by the caller and must outlive this object; the kernel
     reads and writes them in place (k, v of each step's token go into `kv`). It streams the
     attention, router and embedding matrices from copies in the tiled layout (tiled_layout;
-    2.8 GB at North Mini Code's geometry), which it holds, and the MLPs' in place.
+    2.9 GB at North Mini Code's geometry), which it holds, and the MLPs' in place.
     """
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, kv: PagedKVCache):
