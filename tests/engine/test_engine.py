@@ -197,6 +197,41 @@ async def test_a_mixed_workload_on_too_few_pages_keeps_every_token(make_engine, 
         assert (await settled(tight))["kv_pages_used"] == 0
 
 
+@pytest.mark.parametrize("sampled_on", ["host", "device"])
+async def test_clients_that_leave_early_under_page_pressure_leave_nothing_behind(make_engine, sampled_on):
+    """24 requests arriving over 0.3 s on 4 pages: 1-3 choices, greedy or sampled, with and
+    without logprobs, prompt logprobs and stop strings, max_tokens 0 to 70; a third of the
+    clients close their stream after 1 or 3 outputs. Those too many to start are rejected; the
+    rest end. Then no row and no page is left, and the engine serves on."""
+    rng = random.Random(12)
+    engine = await make_engine(max_batch=4, num_kv_pages=4, device_sampler=sampler_for(sampled_on))
+
+    async def client(i: int) -> None:
+        prompt = [2] + [rng.randrange(10, 900) for _ in range(rng.choice([5, 30, 63, 64, 65, 100, 128]) - 1)]
+        params = SamplingParams(
+            n=rng.choice([1, 1, 2, 3]), temperature=rng.choice([0.0, 1.0]), seed=i, ignore_eos=True,
+            max_tokens=rng.choice([0, 1, 4, 20, 70]), logprobs=rng.choice([None, 0, 2]),
+            prompt_logprobs=rng.choice([None, None, 1]), stop=rng.choice([[], ["a"], ["the"]]))
+        leave_after = rng.choice([None, None, 1, 3])
+        await asyncio.sleep(rng.random() * 0.3)
+        stream = engine.generate(GenerationRequest(f"c{i}", prompt, params))
+        try:
+            outputs = 0
+            async for _ in stream:
+                outputs += 1
+                if outputs == leave_after:
+                    await stream.aclose()
+                    return
+        except RequestRejected as exc:
+            assert exc.param == "n"
+
+    await asyncio.wait_for(asyncio.gather(*[client(i) for i in range(24)]), 60)
+    stats = await settled(engine)
+    assert stats["kv_pages_used"] == 0 and stats["num_rows"] == 0 and stats["num_requests_running"] == 0
+    choices, _, _ = await collect(engine, PROMPTS[0], "after", max_tokens=3, ignore_eos=True)
+    assert len(choices[0]) == 3
+
+
 async def collect_rest(outputs) -> list[int]:
     return [t async for out in outputs for c in out.outputs for t in c.token_ids]
 
