@@ -31,6 +31,13 @@ def make_seq(pool: KVPool, n: int) -> int:
     return seq
 
 
+async def drain_until_finished(loop: DecodeLoop, events: list) -> None:
+    """Collects the running loop's events until one finishes a row."""
+    while not any(e.finished for e in events):
+        await asyncio.sleep(0.01)
+        events += loop.drain()
+
+
 async def wait_parked(loop: DecodeLoop, events: list) -> Status:
     """Watches the fd as the engine does; collects events until the loop parks."""
     ev = asyncio.Event()
@@ -85,9 +92,7 @@ async def test_step_sees_a_page_for_every_rows_position():
             loop.add_row(1, make_seq(pool, 3), last_token=1, max_new_tokens=6)
             loop.start()
             events: list = []
-            while not any(e.finished for e in events):
-                await asyncio.sleep(0.01)
-                events += loop.drain()
+            await drain_until_finished(loop, events)
             assert len(seen) == 6 and min(seen) >= 0
 
 
@@ -116,9 +121,7 @@ async def test_step_failure_parks_keeps_tokens_and_can_resume(bad):
         assert pool.length(seq) == 5  # the failed step's append was rolled back
         loop.resume()
         assert loop.step_error is None
-        while not any(e.finished for e in events):
-            await asyncio.sleep(0.01)
-            events += loop.drain()
+        await drain_until_finished(loop, events)
         assert [e.token for e in events] == [2, 3, 4, 5, 6]
 
 
@@ -147,9 +150,7 @@ async def test_a_page_reserved_in_a_step_is_the_next_appends_or_goes_with_a_fail
         assert await wait_parked(loop, events) is Status.ERR_STEP_FAILED  # at position 3, page 1 reserved
         assert pool.length(seq) == 3 and len(pool.seq_block_table(seq, 0)) == 1 and pool.usage(0).used == 1
         loop.resume()
-        while not any(e.finished for e in events):
-            await asyncio.sleep(0.01)
-            events += loop.drain()
+        await drain_until_finished(loop, events)
         assert [e.token for e in events] == [2, 3, 4, 5] and len(reserved) == 2
         assert tables[PS][1] == reserved[-1]  # position 4's append took the page reserved at position 3
         assert pool.length(seq) == 6 and pool.usage(0).used == 2
@@ -210,9 +211,7 @@ async def test_a_native_step_function_pointer_drives_the_loop():
         loop.add_row(0, make_seq(pool, 1), last_token=1, max_new_tokens=3)
         loop.start()
         events: list = []
-        while not any(e.finished for e in events):
-            await asyncio.sleep(0.01)
-            events += loop.drain()
+        await drain_until_finished(loop, events)
         assert [e.token for e in events] == [11, 21, 31]
 
 
