@@ -319,13 +319,11 @@ class Megakernel:
             raise ValueError("the megakernel needs tied embeddings (lm_head is embed)")
         self.config, self.weights, self.kv = config, weights, kv
         self._geometry = _GeometryRef(config)
-        self._tiled: list[torch.Tensor] = []  # the tiled copies, alive as long as the kernel
+        # The tiled copies (tiled_copies: what tiled_bytes counts), alive as long as the kernel.
+        self._tiled = {id(w): tiled_layout(w) for w in tiled_copies(weights)}
 
         def tiled(w: torch.Tensor | None) -> int | None:
-            if w is None:
-                return None
-            self._tiled.append(tiled_layout(w))
-            return self._tiled[-1].data_ptr()
+            return None if w is None else self._tiled[id(w)].data_ptr()
 
         self._layers = (Layer * config.num_layers)()
         for i, lw in enumerate(weights.layers):
