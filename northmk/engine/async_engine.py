@@ -128,8 +128,7 @@ class AsyncEngine:
     async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as the engine produces them; closing the iterator aborts it."""
         s = self._admission_check()
-        validate_request(request, self.model_config.vocab_size, self.max_model_len, self.config, self._full_pages,
-                         PAGE_SIZE)
+        validate_request(request, self.model_config.vocab_size, self.max_model_len, self.config, self._full_pages)
         if request.request_id in s.requests:
             raise RequestRejected(f"request id {request.request_id!r} is already running", "request_id")
         req = self._new_request(request)

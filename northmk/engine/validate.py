@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from ..config import PAGE_SIZE
 from .config import EngineConfig
 from .types import GenerationRequest, RequestRejected
 
@@ -36,7 +37,7 @@ def _check(ok: bool, message: str, name: str) -> None:
 
 
 def validate_request(request: GenerationRequest, vocab_size: int, max_model_len: int, engine: EngineConfig,
-                     kv_pages: int | None = None, page_size: int = 64) -> None:
+                     kv_pages: int | None = None) -> None:
     """kv_pages: the pages of the KV group that holds every position (full attention), if any."""
     p, prompt = request.params, request.prompt_token_ids
     _token_ids(prompt, vocab_size, "prompt")
@@ -53,7 +54,7 @@ def validate_request(request: GenerationRequest, vocab_size: int, max_model_len:
     if kv_pages is not None and p.max_tokens != 0:
         # To start, the choices share the prompt's full pages; each holds its own copy of a partly
         # filled last page, or takes a fresh page for its first new token (Scheduler._fork_choices).
-        need = -(-len(prompt) // page_size) + (n - 1 if len(prompt) % page_size else n)
+        need = -(-len(prompt) // PAGE_SIZE) + (n - 1 if len(prompt) % PAGE_SIZE else n)
         _check(need <= kv_pages, f"{n} choices of a {len(prompt)}-token prompt need {need} KV pages to start; "
                f"the cache holds {kv_pages}", "n")
     _check(_integer(p.min_tokens, "min_tokens") >= 0, "min_tokens must be >= 0", "min_tokens")
