@@ -33,7 +33,7 @@ extern "C" {
 
 /* Bumped on every incompatible change of a declaration below; nmk_abi_version() returns the
  * library's value and bindings refuse a library whose value differs from theirs. */
-#define NMK_ABI_VERSION 6
+#define NMK_ABI_VERSION 7
 
 /* ==== status, errors, versions ==== */
 
@@ -528,11 +528,11 @@ typedef struct nmk_mk_layer {
     const void *norm;             /* [H] */
     const void *qkv;              /* [Q + 2 KV, H], tiled */
     const void *o;                /* [H, Q], tiled */
-    const void *gate_up;          /* dense: [2 D, H], gate rows first */
-    const void *down;             /* dense: [H, D] */
+    const void *gate_up;          /* dense: [2 D, H], gate rows first, tiled */
+    const void *down;             /* dense: [H, D], tiled */
     const void *router;           /* sparse: [E, H], tiled */
-    const void *experts_gate_up;  /* sparse: [E, 2 I, H] */
-    const void *experts_down;     /* sparse: [E, H, I] */
+    const void *experts_gate_up;  /* sparse: [E, 2 I, H], each expert's [2 I, H] tiled */
+    const void *experts_down;     /* sparse: [E, H, I], each expert's [H, I] tiled */
     int32_t kv_group, kv_slot;    /* pages[kv_group][:, kv_slot] hold this layer's k, v */
 } nmk_mk_layer;
 

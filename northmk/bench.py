@@ -56,6 +56,7 @@ from .checkpoint_writer import PRESETS, config_dict
 from .config import PAGE_SIZE, SLIDING, ModelConfig
 from .megakernel import MAX_BATCH, Megakernel, Opcode
 from .model.kv import PagedKVCache
+from .model.weights import untile_experts_
 
 DATASHEET_BW = {"H200": 4.8e12, "H100": 3.35e12}  # bytes/s
 MEGAKERNEL, PEER = "megakernel", "hf-transformers"
@@ -261,6 +262,7 @@ def megakernel_rows(args, config, weights, keep) -> None:
 def peer_rows(args, config, weights, keep) -> None:
     from .bench_peer import bench_peer, build_peer  # imports transformers
 
+    untile_experts_(weights)  # back from the megakernel's layout: transformers reads them row-major
     model = build_peer(config, weights)  # its parameters are views of `weights`
     for batch in args.batch:
         row = bench_peer(model, batch, args.context, args.steps, args.warmup)

@@ -83,6 +83,8 @@ def build_peer(config: ModelConfig, weights: ModelWeights) -> Cohere2MoeForCausa
     device and assigned, so the full geometry is never materialised a second time."""
     if len(weights.layers) != config.num_layers:
         raise ValueError(f"weights have {len(weights.layers)} layers, config {config.num_layers}")
+    if any(layer.experts_tiled for layer in weights.layers):
+        raise ValueError("the experts are in the megakernel's tiled layout; model.weights.untile_experts_ first")
     hc = hf_config(config)
     hc.dtype = weights.dtype
     with torch.device("meta"):

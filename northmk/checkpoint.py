@@ -25,7 +25,7 @@ import torch
 from safetensors import safe_open
 
 from .config import DENSE, ModelConfig
-from .model.weights import LayerWeights, ModelWeights
+from .model.weights import LayerWeights, ModelWeights, from_tiled
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -320,11 +320,14 @@ def checkpoint_tensors(config: ModelConfig, weights: ModelWeights, fused_experts
             continue
         yield f"{p}.mlp.gate.weight", layer.router
         if fused_experts:
-            yield f"{p}.mlp.experts.gate_up_proj", layer.experts_gate_up
-            yield f"{p}.mlp.experts.down_proj", layer.experts_down
+            gate_up, down = layer.experts_gate_up, layer.experts_down
+            if layer.experts_tiled:
+                gate_up, down = from_tiled(gate_up), from_tiled(down)
+            yield f"{p}.mlp.experts.gate_up_proj", gate_up
+            yield f"{p}.mlp.experts.down_proj", down
         else:
             for e in range(c.num_experts):
-                yield from _mlp_items(f"{p}.mlp.experts.{e}", layer.experts_gate_up[e], layer.experts_down[e])
+                yield from _mlp_items(f"{p}.mlp.experts.{e}", *layer.expert(e))
         if layer.shared_gate_up is not None:
             yield from _mlp_items(f"{p}.mlp.shared_experts", layer.shared_gate_up, layer.shared_down)
 

@@ -20,7 +20,7 @@ import torch
 
 from .config import PAGE_SIZE, SLIDING, ModelConfig
 from .model.kv import PagedKVCache
-from .model.weights import ModelWeights
+from .model.weights import ModelWeights, tile_experts_, to_tiled
 from .native._lib import KV_MAX_GROUPS, check, load
 
 MAX_BATCH = 8  # NMK_MK_MAX_BATCH
@@ -173,22 +173,23 @@ def unsupported_reason(config: ModelConfig) -> str | None:
 
 def tiled_layout(w: torch.Tensor) -> torch.Tensor:
     """A copy of the matrix w [R, K] (K % 32 == 0) in the kernel's tiled layout, flat
-    (include/northmk.h, nmk_mk_layer): R rounded up to 16 with zero rows, each band of 16 rows
-    stored as its K / 32 blocks of [16, 32], so that a warp's weight load reads 512 contiguous
-    bytes (8 rows' 64 in the row-major layout)."""
+    (include/northmk.h, nmk_mk_layer; model.weights.to_tiled): R rounded up to 16 with zero rows,
+    each band of 16 rows stored as its K / 32 blocks of [16, 32], so that a warp's weight load
+    reads 512 contiguous bytes (8 rows' 64 in the row-major layout)."""
     if w.dim() != 2 or w.shape[1] % 32:
         raise ValueError(f"need a [R, K] matrix with K a multiple of 32, got {tuple(w.shape)}")
     rows, k = w.shape
-    bands = -(-rows // 16)
     if rows % 16:
-        w = torch.cat((w, w.new_zeros(bands * 16 - rows, k)))
-    return w.reshape(bands, 16, k // 32, 32).transpose(1, 2).contiguous().view(-1)
+        w = torch.cat((w, w.new_zeros(-rows % 16, k)))
+    return to_tiled(w).view(-1)
 
 
 def tiled_copies(weights: ModelWeights) -> list[torch.Tensor]:
-    """The matrices the kernel streams from copies in the tiled layout: each layer's qkv, o and
-    router (None where a layer has none), then the embedding."""
-    return [w for lw in weights.layers for w in (lw.qkv, lw.o, lw.router) if w is not None] + [weights.embed]
+    """The matrices the kernel streams from copies in the tiled layout: each layer's qkv, o, and
+    router or dense MLP (None where a layer has none), then the embedding. The experts it
+    reads in place, tiled (model.weights.tile_experts_)."""
+    return [w for lw in weights.layers for w in (lw.qkv, lw.o, lw.router, lw.gate_up, lw.down) if w is not None] + [
+        weights.embed]
 
 
 def tiled_bytes(weights: ModelWeights) -> int:
@@ -304,9 +305,10 @@ class Megakernel:
     """The whole decode forward pass of `config` as one persistent kernel per step.
 
     Weights and KV pages stay owned by the caller and must outlive this object; the kernel
-    reads and writes them in place (k, v of each step's token go into `kv`). It streams the
-    attention, router and embedding matrices from copies in the tiled layout (tiled_layout;
-    2.9 GB at North Mini Code's geometry), which it holds, and the MLPs' in place.
+    reads and writes them in place (k, v of each step's token go into `kv`). It streams every
+    matrix in the tiled layout (tiled_layout): the experts' in place, which it tiles first
+    (model.weights.tile_experts_: the reference model reads either layout), the others from
+    copies it holds (tiled_copies; 2.9 GB at North Mini Code's geometry).
     """
 
     def __init__(self, config: ModelConfig, weights: ModelWeights, kv: PagedKVCache):
@@ -319,6 +321,7 @@ class Megakernel:
             raise ValueError("the megakernel needs tied embeddings (lm_head is embed)")
         self.config, self.weights, self.kv = config, weights, kv
         self._geometry = _GeometryRef(config)
+        tile_experts_(weights)
         # The tiled copies (tiled_copies: what tiled_bytes counts), alive as long as the kernel.
         self._tiled = {id(w): tiled_layout(w) for w in tiled_copies(weights)}
 
@@ -328,7 +331,7 @@ class Megakernel:
         self._layers = (Layer * config.num_layers)()
         for i, lw in enumerate(weights.layers):
             self._layers[i] = Layer(
-                norm=_ptr(lw.norm), qkv=tiled(lw.qkv), o=tiled(lw.o), gate_up=_ptr(lw.gate_up), down=_ptr(lw.down),
+                norm=_ptr(lw.norm), qkv=tiled(lw.qkv), o=tiled(lw.o), gate_up=tiled(lw.gate_up), down=tiled(lw.down),
                 router=tiled(lw.router), experts_gate_up=_ptr(lw.experts_gate_up), experts_down=_ptr(lw.experts_down),
                 kv_group=config.layer_group[i], kv_slot=config.layer_slot[i])
         pages = (c_void_p * KV_MAX_GROUPS)(*[p.data_ptr() for p in kv.pages])

@@ -199,7 +199,7 @@ class _Step:
         elif self.slot_expert[y] < 0:
             return
         else:
-            gate_up, h = lw.experts_gate_up[self.slot_expert[y]], self.normed_image.clone()
+            gate_up, h = lw.expert(self.slot_expert[y])[0], self.normed_image.clone()
         inter = gate_up.shape[0] // 2
         cols = self.plan["dense_cols" if lw.is_dense else "moe_cols"]
         c0, c1 = tile * cols, min((tile + 1) * cols, inter)
@@ -214,7 +214,7 @@ class _Step:
         elif self.slot_expert[y] < 0:
             return
         else:
-            down = lw.experts_down[self.slot_expert[y]]
+            down = lw.expert(self.slot_expert[y])[1]
             routed = [(b, k) for b, k in enumerate(self.slot_k[y]) if k >= 0]
         rows = self.plan["dense_down_rows" if lw.is_dense else "moe_down_rows"]
         r0, r1 = tile * rows, min((tile + 1) * rows, self.c.hidden_size)

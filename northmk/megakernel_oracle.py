@@ -26,7 +26,7 @@ from .config import ModelConfig
 from .megakernel import MegakernelTrace
 from .model.kv import BatchLayout, PagedKVCache
 from .model.reference import ReferenceModel, rope_tables, swiglu
-from .model.weights import ModelWeights
+from .model.weights import LayerWeights, ModelWeights
 
 ROUTER_NOISE = 2**-6  # relative to the k-th logit: 4 bf16 ulps
 LOGIT_NOISE = 1e-2  # relative to the largest |logit|: an argmax gap below this is a tie
@@ -94,16 +94,16 @@ class _Fp32Arithmetic(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def expert_sum(h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor,
-               down: torch.Tensor) -> torch.Tensor:
+def expert_sum(h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
     """sum_k weights[t, k] * expert_{experts[t, k]}(h[t]) in bf16, experts added one at a time in
-    ascending id (the order of HF's eager per-expert loop, and the kernel's). h [T, H]; weights bf16, experts [T, K].
+    ascending id (the order of HF's eager per-expert loop, and the kernel's). h [T, H]; weights bf16,
+    experts [T, K]; the experts are layer's, in either layout (LayerWeights.expert).
     Fixed here so the oracle does not move with the reference's own MoE kernels, whose
     grouped GEMMs and one scattered add round in another order."""
     out = torch.zeros_like(h)
     for e in experts.unique().tolist():
         rows, k = (experts == e).nonzero(as_tuple=True)
-        out.index_add_(0, rows, swiglu(h[rows], gate_up[e], down[e]) * weights[rows, k, None])
+        out.index_add_(0, rows, swiglu(h[rows], *layer.expert(e)) * weights[rows, k, None])
     return out
 
 
@@ -148,7 +148,7 @@ def _reference_step(config: ModelConfig, weights: ModelWeights, tokens: torch.Te
                 h_kernel = ref.norm(trace.x[i].to(x.device, x.dtype), layer.norm)
                 experts[i] = _checked_experts(h_kernel @ layer.router.T, config.top_k, trace.experts[i], i, errors)
             picked = torch.sigmoid(logits.gather(1, experts[i]).float())
-            mlp = expert_sum(h, picked.to(h.dtype), experts[i], layer.experts_gate_up, layer.experts_down)
+            mlp = expert_sum(h, picked.to(h.dtype), experts[i], layer)
         x = x + attn + mlp
         records[:, i + 1] = torch.stack((x.float(), attn.float(), mlp.float()))
     logits = ref.logits(ref.norm(x, weights.final_norm))

@@ -4,6 +4,8 @@ report finds the first divergence."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -15,6 +17,7 @@ from northmk.megakernel_oracle import (LOGIT_NOISE, clear_argmax, expert_sum, fi
                                       reference_step, tie_band)
 from northmk.model.kv import BatchLayout, PagedKVCache
 from northmk.model.reference import ReferenceModel, swiglu
+from northmk.model.weights import to_tiled
 
 
 @pytest.fixture(scope="module")
@@ -134,18 +137,22 @@ def test_routing_is_judged_on_the_kernels_own_input(tiny):
     assert torch.equal(guided.experts[layer], theirs[layer])
 
 
-def test_experts_are_added_one_at_a_time_in_ascending_id(tiny):
+@pytest.mark.parametrize("tiled", [False, True])
+def test_experts_are_added_one_at_a_time_in_ascending_id(tiny, tiled):
     config, weights = tiny
     layer = weights.layers[sparse_layer(config)]
+    if tiled:  # the same experts held in the tiled layout (as the megakernel holds them)
+        layer = dataclasses.replace(layer, experts_gate_up=to_tiled(layer.experts_gate_up),
+                                    experts_down=to_tiled(layer.experts_down), experts_tiled=True)
     h = torch.randn(3, config.hidden_size, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     experts = torch.tensor([[3, 0], [1, 3], [2, 0]])[:, :config.top_k]
     w = torch.rand(3, config.top_k, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
     want = torch.zeros_like(h)
     for e in sorted(set(experts.flatten().tolist())):  # bf16 rounding after every expert's add
         for t, k in zip(*(experts == e).nonzero(as_tuple=True)):
-            y = swiglu(h[t:t + 1], layer.experts_gate_up[e], layer.experts_down[e]) * w[t, k]
+            y = swiglu(h[t:t + 1], *weights.layers[sparse_layer(config)].expert(e)) * w[t, k]
             want[t] = (want[t].float() + y[0].float()).to(torch.bfloat16)
-    got = expert_sum(h, w, experts, layer.experts_gate_up, layer.experts_down)
+    got = expert_sum(h, w, experts, layer)
     assert torch.equal(got, want)
 
 

@@ -10,6 +10,8 @@
 #   DIAG=1      per-layer divergence of full-geometry steps (tools/mk_diagnose.py)
 #   TESTS=1     the GPU tests (pytest -k "$1")        BENCH=1  the decode benchmark (args after $1)
 #   SERVER=1    the server's API tests with the engine on the GPU (the tiny model: PyTorch backend)
+#   MOE=1       tools/moe_bench.py: one sparse layer's experts in the PyTorch prefill, row-major (torch's
+#               grouped GEMM) against the tiled layout (Triton), into $OUT
 #   GEMV=1      tools/gemv_bench.cu: the GEMV paths' bandwidth per shape, checked (GEMV_ARGS, e.g. --quick)
 #   PEER=1      the transformers peer alone (bench --peer-only, PEER_ARGS, its own PEER_TIMEOUT: its
 #               torch.compile of the full model takes minutes), into $OUT/peer
@@ -24,7 +26,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 SANITIZE=${SANITIZE:-0} SANITIZE_FULL=${SANITIZE_FULL:-0} DIAG=${DIAG:-0} TESTS=${TESTS:-1} BENCH=${BENCH:-1} SERVER=${SERVER:-0} PEER=${PEER:-0}
-NCU=${NCU:-0} ENGINE=${ENGINE:-0}
+NCU=${NCU:-0} ENGINE=${ENGINE:-0} MOE=${MOE:-0}
 GEMV=${GEMV:-0}
 mkdir -p "$OUT"
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -44,7 +46,7 @@ export NORTHMK_LIB=$PWD/build/gpu/libnorthmk.so
 echo "build rc=$build_rc in $(( $(date +%s) - t0 ))s"
 [ $build_rc -eq 0 ] || { tail -40 "$OUT/build.log"; exit 1; }
 
-san_rc=- diag_rc=- tests_rc=- bench_rc=- server_rc=- peer_rc=- gemv_rc=- ncu_rc=- engine_rc=-
+san_rc=- diag_rc=- tests_rc=- bench_rc=- server_rc=- peer_rc=- gemv_rc=- ncu_rc=- engine_rc=- moe_rc=-
 if [ "$GEMV" = 1 ]; then
   t0=$(date +%s)
   cmake --build build/gpu --target northmk_gemv_bench -j 16 >"$OUT/gemv.log" 2>&1 \
@@ -115,6 +117,12 @@ if [ "$ENGINE" = 1 ]; then
   engine_rc=${PIPESTATUS[0]}
   echo "engine bench rc=$engine_rc in $(( $(date +%s) - t0 ))s"
 fi
+if [ "$MOE" = 1 ]; then
+  t0=$(date +%s)
+  timeout ${MOE_TIMEOUT:-120} python3 tools/moe_bench.py ${MOE_ARGS:-} --out "$OUT" >"$OUT/moe.log" 2>&1
+  moe_rc=$?
+  echo "moe bench rc=$moe_rc in $(( $(date +%s) - t0 ))s"
+fi
 if [ "$PEER" = 1 ]; then
   t0=$(date +%s)
   timeout ${PEER_TIMEOUT:-420} python3 -m northmk.bench decode --peer-only ${PEER_ARGS:---batch 1 8 --steps 256} \
@@ -133,12 +141,13 @@ if [ "$NCU" = 1 ]; then
   ncu_rc=$?
   echo "ncu rc=$ncu_rc in $(( $(date +%s) - t0 ))s"
 fi
-echo "== summary: build $build_rc, gemv $gemv_rc, sanitize [$san_rc], diag $diag_rc, tests $tests_rc, server $server_rc, bench $bench_rc, peer $peer_rc, ncu $ncu_rc, engine $engine_rc"
+echo "== summary: build $build_rc, gemv $gemv_rc, sanitize [$san_rc], diag $diag_rc, tests $tests_rc, server $server_rc, bench $bench_rc, peer $peer_rc, ncu $ncu_rc, engine $engine_rc, moe $moe_rc"
 [ "$GEMV" = 1 ] && tail -30 "$OUT/gemv.log"
 [ "$DIAG" = 1 ] && grep -E "^ +(0|1|2|3|4|48|49) |^row|first divergence|routing errors" "$OUT/diag.log" | head -40
 [ "$TESTS" = 1 ] && grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -3
 [ "$BENCH" = 1 ] && grep -E "^batch|copy bandwidth|span" "$OUT/bench.log"
 [ "$PEER" = 1 ] && grep -E "^batch" "$OUT/peer.log"
 [ "$ENGINE" = 1 ] && grep -E "^engine batch" "$OUT/engine.log" | sed -E 's/; loop thread.*//'
+[ "$MOE" = 1 ] && tail -6 "$OUT/moe.log"
 [ "$NCU" = 1 ] && grep -E "megakernel|__|==ERR|==WARN" "$OUT/ncu.log" | tail -12
 exit 0

@@ -16,14 +16,16 @@ __device__ __forceinline__ uint64_t evict_first_policy() {
     asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
     return policy;
 }
-// Weights: streaming loads (.cs: evict first from L1 and L2) that have L2 fetch 256 bytes a miss.
-// A lane reads 16 bytes of a row per 32-wide k step, a burst 512 contiguous bytes of each of its
-// rows. In the GEMV bench (tools/gemv_bench.cu's ld/ paths, 132 SMs) a streaming load, or a
-// 256-byte fetch, each streamed 6-20% faster than the non-coherent load with an evict_first policy
-// used before; in the kernel the two together ran batch 1 4.8% faster, the 256-byte fetch with
-// the evict_first policy 3.3% (benchmarks/NOTES.md, session 18).
-// Weights in the tiled layout read whole 128-byte lines per warp load: plain streaming loads
-// (the 256-byte fetch measured slower there: benchmarks/NOTES.md, session 19).
+// Row-major weights (tools/gemv_bench.cu's row-major paths; the kernel's MLPs until ABI 7):
+// streaming loads (.cs: evict first from L1 and L2) that have L2 fetch 256 bytes a miss. A lane
+// reads 16 bytes of a row per 32-wide k step, a burst 512 contiguous bytes of each of its rows.
+// In the GEMV bench (tools/gemv_bench.cu's ld/ paths, 132 SMs) a streaming load, or a 256-byte
+// fetch, each streamed 6-20% faster than the non-coherent load with an evict_first policy used
+// before; in the kernel the two together ran batch 1 4.8% faster, the 256-byte fetch with the
+// evict_first policy 3.3% (benchmarks/NOTES.md, session 18).
+// Weights in the tiled layout (every matrix the kernel streams) read whole 128-byte lines per
+// warp load: plain streaming loads (the 256-byte fetch measured slower there:
+// benchmarks/NOTES.md, session 19).
 template <bool kTiled = false>
 __device__ __forceinline__ uint4 load_weight(const bf16 *p) {
     uint4 v;
@@ -452,9 +454,9 @@ __device__ __forceinline__ void tile_dot(const bf16 *lo, const bf16 *hi, uint32_
         for (int v = 0; v < 4; v++) c[v] += acc[j][v];
 }
 
-// tile_dot as gemv's k loops, over weights in the tiled layout (TileDot: attention's, the router's
-// and the LM head's) or row-major (RowMajorDot: the MLPs'); tools/gemv_bench.cu passes others
-// (with shared scratch, mma.sync only: kWarpgroups false) in its place.
+// tile_dot as gemv's k loops, over weights in the tiled layout (TileDot: every matrix the kernel
+// streams) or row-major (RowMajorDot: tools/gemv_bench.cu's row-major paths, which also pass
+// other Dots, with shared scratch and mma.sync only: kWarpgroups false).
 template <bool kTiledLayout>
 struct TileDotT {
     static constexpr bool kWarpgroups = true;  // has warpgroup(): tiles in fours run as wgmma

@@ -7,7 +7,7 @@
 namespace nmk::mk {
 
 struct SlotWeights {
-    const bf16 *gate_up, *down;  // [2 inter, H] gate rows first; [H, inter]
+    const bf16 *gate_up, *down;  // [2 inter, H] gate rows first; [H, inter]; both tiled
     int inter;
 };
 
@@ -58,7 +58,7 @@ __device__ void run_gate_up(const Params &p, int layer, int tile, int y, char *s
     else stage_normed<B>(smem, p, L.norm, layer);  // nothing to do when the layer's input is there
     const bf16 *gate = w.gate_up + (size_t)c0 * H, *up = w.gate_up + (size_t)(w.inter + c0) * H;
     gemv([&](int r) { return r < n ? gate + (size_t)r * H : up + (size_t)(r - n) * H; }, 2 * n, s.in, H, s.out, s.red,
-         RowMajorDot{copy.full, copy.parity});
+         TileDot{copy.full, copy.parity});
     if (copied) {
         stage_image_end(smem, copy);
         if (threadIdx.x == 0) k.normed = layer;  // every thread read it before the gemv's barrier
@@ -87,7 +87,7 @@ __device__ void run_down(const Params &p, int layer, int tile, int y, char *smem
     const ImageCopy copy = stage_image(smem, s.in, reinterpret_cast<const bf16 *>(act_image(p, y)), in_bytes(w.inter));
     const bf16 *W = w.down + (size_t)r0 * w.inter;
     gemv([&](int r) { return W + (size_t)r * w.inter; }, n, s.in, w.inter, s.out, s.red,
-         RowMajorDot{copy.full, copy.parity});  // its closing barrier publishes ks too
+         TileDot{copy.full, copy.parity});  // its closing barrier publishes ks too
     stage_image_end(smem, copy);
 #pragma unroll 1
     for (int i = threadIdx.x; i < n * B; i += kThreads) {

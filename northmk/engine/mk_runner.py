@@ -8,6 +8,7 @@ kernel's schedules, prepared on a thread of their own, upload on a stream of the
 
 from __future__ import annotations
 
+import importlib.util
 import threading
 
 import torch
@@ -67,13 +68,18 @@ class MegakernelRunner(TorchRunner):
 
     def __init__(self, model_config: ModelConfig, weights: ModelWeights, num_pages: list[int]):
         super().__init__(model_config, weights, num_pages)
-        self.megakernel = Megakernel(model_config, weights, self.kv)
+        self.megakernel = Megakernel(model_config, weights, self.kv)  # tiles the experts in place
+        sparse = next((lw for lw in weights.layers if lw.experts_tiled), None)
+        if sparse is not None and importlib.util.find_spec("triton") is not None:
+            from ..model.tiled_moe import warm_up  # the prefill's expert GEMMs on the tiled layout
+
+            warm_up(sparse.experts_gate_up, sparse.experts_down)
         self._preparing: threading.Thread | None = None
         self._stop = threading.Event()
 
     @staticmethod
     def reserved_bytes(weights: ModelWeights) -> int:
-        """The kernel's tiled copies of attention's, the router's and the embedding's weights."""
+        """The kernel's tiled copies of attention's, the router's, the dense MLP's and the embedding's weights."""
         return tiled_bytes(weights)
 
     def prepare_schedules(self, max_batch: int, max_len: int) -> None:

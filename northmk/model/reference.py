@@ -10,12 +10,14 @@ prefill usable on a GPU (SDPA attention, experts grouped by expert).
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 import torch.nn.functional as F
 
 from ..config import PAGE_SIZE, SLIDING, ModelConfig
 from .kv import BatchLayout, PagedKVCache
-from .weights import LayerWeights, ModelWeights
+from .weights import LayerWeights, ModelWeights, from_tiled
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -121,7 +123,8 @@ class ReferenceModel:
             return swiglu(h, layer.gate_up, layer.down)
         c = self.config
         weights, experts = route(h @ layer.router.T, c.top_k, c.expert_selection, c.norm_topk_prob)
-        out = moe_experts(h, weights.to(h.dtype), experts, layer.experts_gate_up, layer.experts_down)
+        out = moe_experts(h, weights.to(h.dtype), experts, layer.experts_gate_up, layer.experts_down,
+                          tiled=layer.experts_tiled)
         if layer.shared_gate_up is not None:
             shared = swiglu(h, layer.shared_gate_up, layer.shared_down)
             out = out + shared if c.shared_combination == "sum" else (out + shared) / 2
@@ -186,30 +189,33 @@ def route(router_logits: torch.Tensor, top_k: int, selection: str, norm_topk_pro
 
 
 def moe_experts(h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
-                gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+                gate_up: torch.Tensor, down: torch.Tensor, tiled: bool = False) -> torch.Tensor:
     """sum_k weights[t, k] * expert_{experts[t, k]}(h[t]), each token's experts added in ascending id.
 
-    h [T, H]; weights, experts [T, K]; gate_up [E, 2I, H]; down [E, H, I]. The GEMMs run over
-    (token, choice) pairs grouped by expert: one grouped GEMM per projection where torch has
-    one for these operands, else one GEMM per routed expert. The sum is deterministic and in
-    transformers' order and precision (a rounding add per expert, lowest id first).
+    h [T, H]; weights, experts [T, K]; gate_up [E, 2I, H]; down [E, H, I], each expert in the
+    tiled layout if `tiled` (model.weights). The GEMMs run over (token, choice) pairs grouped by
+    expert: one grouped GEMM per projection where torch has one for these operands (on tiled
+    experts, model.tiled_moe's on a CUDA device with Triton), else one GEMM per routed expert
+    (tiled experts untiled first). The sum is deterministic and in transformers' order and
+    precision (a rounding add per expert, lowest id first).
     """
     tokens, top_k = experts.shape
     flat = experts.flatten()
     order = torch.argsort(flat, stable=True)  # pairs grouped by expert
     counts = torch.bincount(flat, minlength=gate_up.shape[0])
     x = h[order // top_k]
-    if _grouped_mm_supported(x, gate_up, down):
+    if tiled and _tiled_gemm_supported(x, gate_up, down):
+        from .tiled_moe import grouped_gemm_tiled
+        gate, up = grouped_gemm_tiled(x, counts, gate_up).chunk(2, dim=-1)
+        y = grouped_gemm_tiled(F.silu(gate) * up, counts, down)
+    elif tiled:
+        y = _per_expert(x, counts, lambda e: (from_tiled(gate_up[e]), from_tiled(down[e])))
+    elif _grouped_mm_supported(x, gate_up, down):
         offsets = counts.cumsum(0).to(torch.int32)
         gate, up = torch._grouped_mm(x, gate_up.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
         y = torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offsets)
     else:
-        y = torch.empty_like(x)
-        start = 0
-        for e, n in enumerate(counts.tolist()):
-            if n:
-                y[start:start + n] = swiglu(x[start:start + n], gate_up[e], down[e])
-                start += n
+        y = _per_expert(x, counts, lambda e: (gate_up[e], down[e]))
     per_pair = torch.empty_like(y)
     per_pair[order] = y  # back to (token, choice) order
     per_pair = per_pair.view(tokens, top_k, -1) * weights[..., None]
@@ -219,6 +225,24 @@ def moe_experts(h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
     for k in range(top_k):
         out = out + per_pair[:, k].to(out.dtype)
     return out
+
+
+def _per_expert(x: torch.Tensor, counts: torch.Tensor, expert) -> torch.Tensor:
+    """SwiGLU of x's rows grouped by expert, one GEMM per routed expert e (expert(e): gate_up, down)."""
+    y = torch.empty_like(x)
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        if n:
+            y[start:start + n] = swiglu(x[start:start + n], *expert(e))
+            start += n
+    return y
+
+
+def _tiled_gemm_supported(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    # model.tiled_moe's blocks: 64 rows (N) by 32 columns (K) of a matrix at least
+    shapes_fit = all(w.shape[1] % 64 == 0 and w.shape[2] % 32 == 0 for w in (gate_up, down))
+    return (x.device.type == "cuda" and x.dtype in (torch.bfloat16, torch.float16) and shapes_fit
+            and importlib.util.find_spec("triton") is not None)
 
 
 def _grouped_mm_supported(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:

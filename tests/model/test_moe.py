@@ -5,6 +5,7 @@ import torch
 
 from northmk.model import reference
 from northmk.model.reference import moe_experts, route, swiglu
+from northmk.model.weights import to_tiled
 
 
 @pytest.mark.parametrize("tokens, experts, top_k", [(1, 8, 2), (37, 16, 4), (5, 64, 8)])
@@ -30,3 +31,14 @@ def test_the_per_expert_fallback_gives_the_same_result(monkeypatch):
     grouped = moe_experts(h, weights, ids, gate_up, down)
     monkeypatch.setattr(reference, "_grouped_mm_supported", lambda *a: False)
     torch.testing.assert_close(moe_experts(h, weights, ids, gate_up, down), grouped, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tokens, top_k", [(1, 2), (29, 4)])
+def test_experts_in_the_tiled_layout_give_the_same_result(tokens, top_k):
+    gen = torch.Generator().manual_seed(tokens)
+    h = torch.randn(tokens, 64, generator=gen)
+    gate_up, down = torch.randn(8, 128, 64, generator=gen) / 8, torch.randn(8, 64, 64, generator=gen) / 8
+    weights, ids = route(torch.randn(tokens, 8, generator=gen), top_k, "sigmoid", False)
+    want = moe_experts(h, weights, ids, gate_up, down)
+    got = moe_experts(h, weights, ids, to_tiled(gate_up), to_tiled(down), tiled=True)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
