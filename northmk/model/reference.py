@@ -205,9 +205,8 @@ def moe_experts(h: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
     counts = torch.bincount(flat, minlength=gate_up.shape[0])
     x = h[order // top_k]
     if tiled and _tiled_gemm_supported(x, gate_up, down):
-        from .tiled_moe import grouped_gemm_tiled
-        gate, up = grouped_gemm_tiled(x, counts, gate_up).chunk(2, dim=-1)
-        y = grouped_gemm_tiled(F.silu(gate) * up, counts, down)
+        from .tiled_moe import swiglu_tiled
+        y = swiglu_tiled(x, counts, gate_up, down)
     elif tiled:
         y = _per_expert(x, counts, lambda e: (from_tiled(gate_up[e]), from_tiled(down[e])))
     elif _grouped_mm_supported(x, gate_up, down):

@@ -7,13 +7,17 @@ of 16 rows stored as [16, 32] blocks is not one. Triton ships with torch's CUDA 
 module is imported only on a CUDA device (reference.moe_experts), and untiles the routed
 experts where Triton is missing.
 
-    grouped_gemm_tiled(x, counts, w)   y[p] = x[p] @ w[e(p)].T for pairs p grouped by expert
-    warm_up(gate_up, down)             compile the kernels a layer of these experts runs
+    grouped_gemm_tiled(x, counts, w)        y[p] = x[p] @ w[e(p)].T for rows p grouped by expert
+    swiglu_tiled(x, counts, gate_up, down)  an expert's SwiGLU on each row
+    warm_up(gate_up, down)                  compile the kernels a layer of these experts runs
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -49,49 +53,88 @@ def _grouped_gemm_tiled(x_ptr, w_ptr, y_ptr, tile_expert_ptr, tile_row_ptr, row_
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=in_rows)
 
 
-def grouped_gemm_tiled(x: torch.Tensor, counts: torch.Tensor, w: torch.Tensor, block_m: int | None = None) -> torch.Tensor:
+@dataclass(frozen=True)
+class Blocks:
+    """A launch's tile sizes: rows of x (m), of w (n) and columns (k) per program and k step."""
+    m: int
+    n: int = 128
+    k: int = 64
+    warps: int = 4
+    stages: int = 4
+
+
+def default_blocks(rows: int, experts: int) -> Blocks:
+    """m tiles of 16 rows where experts get few rows each (decode-sized chunks), else 64."""
+    return Blocks(16 if rows <= 2 * experts * 16 else 64)
+
+
+@dataclass(frozen=True)
+class TileMap:
+    """The m tiles of x's rows grouped by expert: tile t covers rows [row[t], ends[expert[t]])
+    up to `block_m` of them (expert -1: past the last tile). Sized without a host sync for the
+    most tiles `rows` rows can take, sum of ceil(count / block_m) <= rows / block_m + E."""
+    block_m: int
+    expert: torch.Tensor
+    row: torch.Tensor
+    ends: torch.Tensor
+
+    @staticmethod
+    def of(counts: torch.Tensor, rows: int, block_m: int) -> TileMap:
+        experts = counts.shape[0]
+        counts = counts.to(torch.int64)
+        ends = counts.cumsum(0)
+        tiles = (counts + block_m - 1) // block_m
+        tile_ends = tiles.cumsum(0)
+        t = torch.arange(rows // block_m + experts, device=counts.device)
+        e = torch.searchsorted(tile_ends, t, right=True)
+        valid = e < experts
+        e = e.clamp(max=experts - 1)
+        row = ends[e] - counts[e] + (t - (tile_ends[e] - tiles[e])) * block_m
+        return TileMap(block_m, torch.where(valid, e, -1).to(torch.int32), row.to(torch.int32), ends.to(torch.int32))
+
+
+def grouped_gemm_tiled(x: torch.Tensor, counts: torch.Tensor, w: torch.Tensor, blocks: Blocks | None = None,
+                       tiles: TileMap | None = None) -> torch.Tensor:
     """y [P, N] (x's dtype, fp32 sums) with y[p] = x[p] @ w[e].T for the counts[e] rows of x
     that belong to expert e, x's rows grouped by expert in ascending order (x [P, K], counts
-    [E] on x's device). w [E, N, K] holds each expert in the tiled layout (N % 64 == 0, K % 32
-    == 0). No host sync: the grid is sized for the most m tiles P rows can take. block_m: rows
-    of an m tile (16 or 64), by default 16 where experts get few rows each (decode-sized
-    chunks), else 64."""
+    [E] on x's device). w [E, N, K] holds each expert in the tiled layout (N a multiple of
+    blocks.n, K of 32 and blocks.k). blocks: default_blocks; tiles: TileMap.of(counts, P,
+    blocks.m), where the caller has it already. No host sync."""
     experts, n, k = w.shape
     rows = x.shape[0]
     if x.shape[1] != k or counts.shape != (experts,):
         raise ValueError(f"x {tuple(x.shape)}, counts {tuple(counts.shape)} do not match w {tuple(w.shape)}")
-    if n % 64 or k % 32:
-        raise ValueError(f"the tiled grouped GEMM needs N % 64 == 0 and K % 32 == 0, got {tuple(w.shape)}")
+    blocks = blocks or default_blocks(rows, experts)
+    if n % blocks.n or k % 32 or k % min(blocks.k, k):
+        raise ValueError(f"the tiled grouped GEMM needs N % {blocks.n} == 0 and K % 32 == 0, got {tuple(w.shape)}")
     x = x.contiguous()
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows == 0:
         return y
-    if block_m is None:
-        block_m = 16 if rows <= 2 * experts * 16 else 64
-    block_n = 128 if n % 128 == 0 else 64
-    block_k = 64 if k % 64 == 0 else 32
-    counts = counts.to(torch.int64)
-    ends = counts.cumsum(0)
-    tiles = (counts + block_m - 1) // block_m
-    tile_ends = tiles.cumsum(0)
-    bound = rows // block_m + experts  # sum of ceil(count / block_m) is at most this
-    t = torch.arange(bound, device=x.device)
-    e = torch.searchsorted(tile_ends, t, right=True)
-    valid = e < experts
-    e = e.clamp(max=experts - 1)
-    tile_row = ends[e] - counts[e] + (t - (tile_ends[e] - tiles[e])) * block_m
-    tile_expert = torch.where(valid, e, -1).to(torch.int32)
-    grid = (n // block_n, bound)
-    _grouped_gemm_tiled[grid](x, w, y, tile_expert, tile_row.to(torch.int32), ends.to(torch.int32), n, k, n * k,
-                              BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=4)
+    tiles = tiles or TileMap.of(counts, rows, blocks.m)
+    grid = (n // blocks.n, tiles.expert.shape[0])
+    _grouped_gemm_tiled[grid](x, w, y, tiles.expert, tiles.row, tiles.ends, n, k, n * k, BLOCK_M=blocks.m,
+                              BLOCK_N=blocks.n, BLOCK_K=min(blocks.k, k), num_warps=blocks.warps,
+                              num_stages=blocks.stages)
     return y
+
+
+def swiglu_tiled(x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """down(silu(gate(x)) * up(x)) per expert, x's rows grouped by expert (as grouped_gemm_tiled),
+    both GEMMs on one tile map. gate_up [E, 2I, H], down [E, H, I], tiled."""
+    blocks = default_blocks(x.shape[0], gate_up.shape[0])
+    tiles = TileMap.of(counts, x.shape[0], blocks.m)
+    gate, up = grouped_gemm_tiled(x, counts, gate_up, blocks, tiles).chunk(2, dim=-1)
+    return grouped_gemm_tiled(F.silu(gate) * up, counts, down, blocks, tiles)
 
 
 def warm_up(gate_up: torch.Tensor, down: torch.Tensor) -> None:
     """Compile (or load from Triton's cache) the kernels a layer of these tiled experts runs at
-    every prompt size, so that a server's first prefill does not."""
-    counts = torch.zeros(gate_up.shape[0], dtype=torch.int64, device=gate_up.device)
+    every prompt size (default_blocks), so that a server's first prefill does not."""
+    experts = gate_up.shape[0]
+    counts = torch.zeros(experts, dtype=torch.int64, device=gate_up.device)
     counts[0] = 1
-    for block_m in (16, 64):
+    for rows in (1, 2 * experts * 16 + 1):
         for w in (gate_up, down):
-            grouped_gemm_tiled(torch.zeros(1, w.shape[2], dtype=w.dtype, device=w.device), counts, w, block_m)
+            grouped_gemm_tiled(torch.zeros(1, w.shape[2], dtype=w.dtype, device=w.device), counts, w,
+                               default_blocks(rows, experts))
