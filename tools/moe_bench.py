@@ -43,7 +43,8 @@ def time_ms(fn, reps: int) -> float:
 def candidates(rows: int) -> list[Blocks]:
     """default_blocks(rows) and tile sizes around it."""
     if rows <= 2 * EXPERTS * 16:
-        swept = [Blocks(m, n, k, 4, st) for m in (16, 32) for n in (64, 128) for k in (64, 128, 256) for st in (3, 5)]
+        swept = [Blocks(m, n, k, 4, st) for m in (16, 32) for n in (32, 64, 128) for k in (64, 128, 256)
+                 for st in (2, 3, 4)]
     else:
         swept = [Blocks(m, n, k, w, st) for m in (64, 128) for n in (128, 256) for k in (64, 128) for w in (4, 8)
                  for st in (3, 4)]

@@ -8,7 +8,8 @@ module is imported only on a CUDA device (reference.moe_experts), and untiles th
 experts where Triton is missing.
 
     grouped_gemm_tiled(x, counts, w)        y[p] = x[p] @ w[e(p)].T for rows p grouped by expert
-    swiglu_tiled(x, counts, gate_up, down)  an expert's SwiGLU on each row
+    swiglu_tiled(x, counts, gate_up, down)  an expert's SwiGLU on each row: two launches, the
+                                            second taking silu(gate) * up as it loads its input
     warm_up(gate_up, down)                  compile the kernels a layer of these experts runs
 """
 
@@ -17,34 +18,46 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def _grouped_gemm_tiled(x_ptr, w_ptr, y_ptr, tile_expert_ptr, tile_row_ptr, row_end_ptr, N, K, expert_stride,
+def _grouped_gemm_tiled(x_ptr, w_ptr, y_ptr, counts_ptr, experts, N, K, x_stride, up_offset,
+                        EXPERTS_POW2: tl.constexpr, SWIGLU: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # Program (n tile, m tile): the n tiles of one m tile run side by side, so an expert's
-    # weights are read once per m tile while its other m tiles find them in L2.
+    # Program (n tile, m tile t). The m tiles are the experts' rows in blocks of BLOCK_M, expert
+    # after expert; the grid has as many as the rows could take, and each program finds its
+    # own from the counts (a scan of E numbers), so nothing runs on the host or in other
+    # launches. The n tiles of one m tile run side by side: an expert's weights are read from
+    # DRAM once per m tile, its later m tiles find them in L2.
     pid_n, t = tl.program_id(0), tl.program_id(1)
-    e = tl.load(tile_expert_ptr + t)
-    if e < 0:  # past the last expert's tiles (the grid is sized without a host sync)
+    ids = tl.arange(0, EXPERTS_POW2)
+    counts = tl.load(counts_ptr + ids, mask=ids < experts, other=0).to(tl.int32)
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    tile_ends = tl.cumsum(tiles, 0)
+    e = tl.sum((tile_ends <= t).to(tl.int32), 0)
+    if e >= experts:  # past the last expert's tiles
         return
-    m0 = tl.load(tile_row_ptr + t)
-    m_end = tl.load(row_end_ptr + e)
+    mine = ids == e
+    row_end = tl.sum(tl.where(mine, tl.cumsum(counts, 0), 0), 0)
+    m0 = row_end - tl.sum(tl.where(mine, counts, 0), 0) + (t - tl.sum(tl.where(mine, tile_ends - tiles, 0), 0)) * BLOCK_M
     rm = m0 + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
-    in_rows = rm[:, None] < m_end
-    x_ptrs = x_ptr + rm[:, None].to(tl.int64) * K + rk[None, :]
+    in_rows = rm[:, None] < row_end
+    x_ptrs = x_ptr + rm[:, None].to(tl.int64) * x_stride + rk[None, :]
     # Tiled element (n, k): (n - n % 16) K + (k / 32) 512 + (n % 16) 32 + k % 32. Along k a
     # block's 32 columns are contiguous, and BLOCK_K of k advance BLOCK_K * 16 elements.
-    w_ptrs = (w_ptr + e.to(tl.int64) * expert_stride + ((rn // 16) * 16 * K + (rn % 16) * 32)[None, :]
+    w_ptrs = (w_ptr + e.to(tl.int64) * N * K + ((rn // 16) * 16 * K + (rn % 16) * 32)[None, :]
               + ((rk // 32) * 512 + rk % 32)[:, None])
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for _ in range(0, K, BLOCK_K):
         a = tl.load(x_ptrs, mask=in_rows, other=0.0)
+        if SWIGLU:  # x holds [gate | up]: silu(gate) * up, each rounded as torch's bf16 ops round
+            up = tl.load(x_ptrs + up_offset, mask=in_rows, other=0.0).to(tl.float32)
+            g = a.to(tl.float32)
+            a = ((g / (1.0 + tl.exp(-g))).to(x_ptr.dtype.element_ty).to(tl.float32) * up).to(x_ptr.dtype.element_ty)
         b = tl.load(w_ptrs)
         acc = tl.dot(a, b, acc)
         x_ptrs += BLOCK_K
@@ -68,64 +81,37 @@ def default_blocks(rows: int, experts: int) -> Blocks:
     return Blocks(16 if rows <= 2 * experts * 16 else 64)
 
 
-@dataclass(frozen=True)
-class TileMap:
-    """The m tiles of x's rows grouped by expert: tile t covers rows [row[t], ends[expert[t]])
-    up to `block_m` of them (expert -1: past the last tile). Sized without a host sync for the
-    most tiles `rows` rows can take, sum of ceil(count / block_m) <= rows / block_m + E."""
-    block_m: int
-    expert: torch.Tensor
-    row: torch.Tensor
-    ends: torch.Tensor
-
-    @staticmethod
-    def of(counts: torch.Tensor, rows: int, block_m: int) -> TileMap:
-        experts = counts.shape[0]
-        counts = counts.to(torch.int64)
-        ends = counts.cumsum(0)
-        tiles = (counts + block_m - 1) // block_m
-        tile_ends = tiles.cumsum(0)
-        t = torch.arange(rows // block_m + experts, device=counts.device)
-        e = torch.searchsorted(tile_ends, t, right=True)
-        valid = e < experts
-        e = e.clamp(max=experts - 1)
-        row = ends[e] - counts[e] + (t - (tile_ends[e] - tiles[e])) * block_m
-        return TileMap(block_m, torch.where(valid, e, -1).to(torch.int32), row.to(torch.int32), ends.to(torch.int32))
-
-
 def grouped_gemm_tiled(x: torch.Tensor, counts: torch.Tensor, w: torch.Tensor, blocks: Blocks | None = None,
-                       tiles: TileMap | None = None) -> torch.Tensor:
+                       swiglu: bool = False) -> torch.Tensor:
     """y [P, N] (x's dtype, fp32 sums) with y[p] = x[p] @ w[e].T for the counts[e] rows of x
     that belong to expert e, x's rows grouped by expert in ascending order (x [P, K], counts
     [E] on x's device). w [E, N, K] holds each expert in the tiled layout (N a multiple of
-    blocks.n, K of 32 and blocks.k). blocks: default_blocks; tiles: TileMap.of(counts, P,
-    blocks.m), where the caller has it already. No host sync."""
+    blocks.n, K of 32 and blocks.k). swiglu: x is [P, 2K], gate columns then up, and the
+    product takes silu(gate) * up in its place. blocks: default_blocks. No host sync."""
     experts, n, k = w.shape
     rows = x.shape[0]
-    if x.shape[1] != k or counts.shape != (experts,):
+    x = x.contiguous()
+    if x.shape[1] != (2 * k if swiglu else k) or counts.shape != (experts,):
         raise ValueError(f"x {tuple(x.shape)}, counts {tuple(counts.shape)} do not match w {tuple(w.shape)}")
     blocks = blocks or default_blocks(rows, experts)
-    if n % blocks.n or k % 32 or k % min(blocks.k, k):
+    block_k = min(blocks.k, k)
+    if n % blocks.n or k % 32 or k % block_k:
         raise ValueError(f"the tiled grouped GEMM needs N % {blocks.n} == 0 and K % 32 == 0, got {tuple(w.shape)}")
-    x = x.contiguous()
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows == 0:
         return y
-    tiles = tiles or TileMap.of(counts, rows, blocks.m)
-    grid = (n // blocks.n, tiles.expert.shape[0])
-    _grouped_gemm_tiled[grid](x, w, y, tiles.expert, tiles.row, tiles.ends, n, k, n * k, BLOCK_M=blocks.m,
-                              BLOCK_N=blocks.n, BLOCK_K=min(blocks.k, k), num_warps=blocks.warps,
-                              num_stages=blocks.stages)
+    grid = (n // blocks.n, rows // blocks.m + experts)  # sum of ceil(count / m) <= rows / m + E
+    _grouped_gemm_tiled[grid](x, w, y, counts, experts, n, k, x.stride(0), k, EXPERTS_POW2=triton.next_power_of_2(experts),
+                              SWIGLU=swiglu, BLOCK_M=blocks.m, BLOCK_N=blocks.n, BLOCK_K=block_k,
+                              num_warps=blocks.warps, num_stages=blocks.stages)
     return y
 
 
 def swiglu_tiled(x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """down(silu(gate(x)) * up(x)) per expert, x's rows grouped by expert (as grouped_gemm_tiled),
-    both GEMMs on one tile map. gate_up [E, 2I, H], down [E, H, I], tiled."""
+    """down(silu(gate(x)) * up(x)) per expert, x's rows grouped by expert (as grouped_gemm_tiled).
+    gate_up [E, 2I, H], down [E, H, I], tiled."""
     blocks = default_blocks(x.shape[0], gate_up.shape[0])
-    tiles = TileMap.of(counts, x.shape[0], blocks.m)
-    gate, up = grouped_gemm_tiled(x, counts, gate_up, blocks, tiles).chunk(2, dim=-1)
-    return grouped_gemm_tiled(F.silu(gate) * up, counts, down, blocks, tiles)
+    return grouped_gemm_tiled(grouped_gemm_tiled(x, counts, gate_up, blocks), counts, down, blocks, swiglu=True)
 
 
 def warm_up(gate_up: torch.Tensor, down: torch.Tensor) -> None:
@@ -134,7 +120,7 @@ def warm_up(gate_up: torch.Tensor, down: torch.Tensor) -> None:
     experts = gate_up.shape[0]
     counts = torch.zeros(experts, dtype=torch.int64, device=gate_up.device)
     counts[0] = 1
+    x = torch.zeros(1, gate_up.shape[2], dtype=gate_up.dtype, device=gate_up.device)
     for rows in (1, 2 * experts * 16 + 1):
-        for w in (gate_up, down):
-            grouped_gemm_tiled(torch.zeros(1, w.shape[2], dtype=w.dtype, device=w.device), counts, w,
-                               default_blocks(rows, experts))
+        blocks = default_blocks(rows, experts)
+        grouped_gemm_tiled(grouped_gemm_tiled(x, counts, gate_up, blocks), counts, down, blocks, swiglu=True)

@@ -46,6 +46,10 @@ def test_grouped_gemm_on_tiled_experts_equals_torchs_on_row_major(experts, rows_
     assert_near(grouped_gemm_tiled(x, counts, gate_up_t), grouped_reference(x, counts, gate_up))
     a = torch.randn(rows, INTER, device="cuda").to(torch.bfloat16)
     assert_near(grouped_gemm_tiled(a, counts, down_t), grouped_reference(a, counts, down))
+    gate_and_up = torch.randn(rows, 2 * INTER, device="cuda").to(torch.bfloat16)
+    gate, up = gate_and_up.chunk(2, dim=-1)
+    assert_near(grouped_gemm_tiled(gate_and_up, counts, down_t, swiglu=True),
+                grouped_reference(torch.nn.functional.silu(gate) * up, counts, down))
 
 
 @pytest.mark.parametrize("tokens", [1, 9, 600])
