@@ -40,15 +40,15 @@ def time_ms(fn, reps: int) -> float:
     return start.elapsed_time(end) / reps
 
 
-def candidates(rows: int) -> list[Blocks]:
-    """default_blocks(rows) and tile sizes around it."""
+def candidates(rows: int, n: int, k: int) -> list[Blocks]:
+    """default_blocks and tile sizes around it."""
     if rows <= 2 * EXPERTS * 16:
         swept = [Blocks(m, n, k, 4, st) for m in (16, 32) for n in (32, 64, 128) for k in (64, 128, 256)
                  for st in (2, 3, 4)]
     else:
         swept = [Blocks(m, n, k, w, st) for m in (64, 128) for n in (128, 256) for k in (64, 128) for w in (4, 8)
                  for st in (3, 4)]
-    return list(dict.fromkeys([default_blocks(rows, EXPERTS)] + swept))
+    return list(dict.fromkeys([default_blocks(rows, EXPERTS, n, k)] + swept))
 
 
 def sweep(tokens: int, reps: int, weights: dict, gen) -> list[dict]:
@@ -62,13 +62,13 @@ def sweep(tokens: int, reps: int, weights: dict, gen) -> list[dict]:
         offsets = counts.cumsum(0).to(torch.int32)
         torch_ms = time_ms(lambda: torch._grouped_mm(x, w.transpose(1, 2), offs=offsets), reps)
         timed = []
-        for blocks in candidates(rows):
+        for blocks in candidates(rows, *w.shape[1:]):
             try:
                 timed.append((time_ms(lambda: grouped_gemm_tiled(x, counts, w_t, blocks), reps), blocks))
             except Exception as exc:  # a tile size past the shared memory: Triton's OutOfResources
                 print(f"  {blocks}: {type(exc).__name__}")
         timed.sort(key=lambda t: t[0])
-        default = default_blocks(rows, EXPERTS)
+        default = default_blocks(rows, EXPERTS, *w.shape[1:])
         default_ms = next(ms for ms, b in timed if b == default)
         print(f"{tokens:>7} {name:>8} torch {torch_ms:.3f} ms, default {default_ms:.3f} ms, best "
               + ", ".join(f"{ms:.3f} {b}" for ms, b in timed[:3]))

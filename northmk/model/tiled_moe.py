@@ -15,7 +15,7 @@ experts where Triton is missing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -76,9 +76,21 @@ class Blocks:
     stages: int = 4
 
 
-def default_blocks(rows: int, experts: int) -> Blocks:
-    """m tiles of 16 rows where experts get few rows each (decode-sized chunks), else 64."""
-    return Blocks(16 if rows <= 2 * experts * 16 else 64)
+def default_blocks(rows: int, experts: int, n: int, k: int) -> Blocks:
+    """Tile sizes for `rows` rows over `experts` experts of [n, k] (tools/moe_bench.py --sweep,
+    North's experts on the H200, benchmarks/NOTES.md session 20): the best of the sweep by the
+    rows an expert gets on average, for long-k matrices (gate_up) and short ones (down); n
+    halved until it divides the matrix."""
+    per_expert, long_k = rows / experts, k > n
+    if per_expert <= 4:  # prompts of a few tokens: a GEMV per expert
+        blocks = Blocks(16, 128, 256, 4, 3) if long_k else Blocks(16, 64, 128, 4, 4)
+    elif per_expert <= 32:
+        blocks = Blocks(32, 64, 128, 4, 4) if long_k else Blocks(32, 128, 128, 4, 3)
+    else:
+        blocks = Blocks(128, 256, 64, 8, 4)
+    while n % blocks.n:
+        blocks = replace(blocks, n=blocks.n // 2)
+    return blocks
 
 
 def grouped_gemm_tiled(x: torch.Tensor, counts: torch.Tensor, w: torch.Tensor, blocks: Blocks | None = None,
@@ -86,17 +98,19 @@ def grouped_gemm_tiled(x: torch.Tensor, counts: torch.Tensor, w: torch.Tensor, b
     """y [P, N] (x's dtype, fp32 sums) with y[p] = x[p] @ w[e].T for the counts[e] rows of x
     that belong to expert e, x's rows grouped by expert in ascending order (x [P, K], counts
     [E] on x's device). w [E, N, K] holds each expert in the tiled layout (N a multiple of
-    blocks.n, K of 32 and blocks.k). swiglu: x is [P, 2K], gate columns then up, and the
-    product takes silu(gate) * up in its place. blocks: default_blocks. No host sync."""
+    blocks.n, K of 32). swiglu: x is [P, 2K], gate columns then up, and the product takes
+    silu(gate) * up in its place. blocks: default_blocks. No host sync."""
     experts, n, k = w.shape
     rows = x.shape[0]
     x = x.contiguous()
     if x.shape[1] != (2 * k if swiglu else k) or counts.shape != (experts,):
         raise ValueError(f"x {tuple(x.shape)}, counts {tuple(counts.shape)} do not match w {tuple(w.shape)}")
-    blocks = blocks or default_blocks(rows, experts)
-    block_k = min(blocks.k, k)
-    if n % blocks.n or k % 32 or k % block_k:
+    blocks = blocks or default_blocks(rows, experts, n, k)
+    if n % blocks.n or k % 32:
         raise ValueError(f"the tiled grouped GEMM needs N % {blocks.n} == 0 and K % 32 == 0, got {tuple(w.shape)}")
+    block_k = blocks.k
+    while k % block_k:  # a power of two down to 32
+        block_k //= 2
     y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows == 0:
         return y
@@ -110,8 +124,7 @@ def grouped_gemm_tiled(x: torch.Tensor, counts: torch.Tensor, w: torch.Tensor, b
 def swiglu_tiled(x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """down(silu(gate(x)) * up(x)) per expert, x's rows grouped by expert (as grouped_gemm_tiled).
     gate_up [E, 2I, H], down [E, H, I], tiled."""
-    blocks = default_blocks(x.shape[0], gate_up.shape[0])
-    return grouped_gemm_tiled(grouped_gemm_tiled(x, counts, gate_up, blocks), counts, down, blocks, swiglu=True)
+    return grouped_gemm_tiled(grouped_gemm_tiled(x, counts, gate_up), counts, down, swiglu=True)
 
 
 def warm_up(gate_up: torch.Tensor, down: torch.Tensor) -> None:
@@ -121,6 +134,6 @@ def warm_up(gate_up: torch.Tensor, down: torch.Tensor) -> None:
     counts = torch.zeros(experts, dtype=torch.int64, device=gate_up.device)
     counts[0] = 1
     x = torch.zeros(1, gate_up.shape[2], dtype=gate_up.dtype, device=gate_up.device)
-    for rows in (1, 2 * experts * 16 + 1):
-        blocks = default_blocks(rows, experts)
-        grouped_gemm_tiled(grouped_gemm_tiled(x, counts, gate_up, blocks), counts, down, blocks, swiglu=True)
+    for rows in (1, 16 * experts, 64 * experts):  # each of default_blocks' three sizes
+        gate_and_up = grouped_gemm_tiled(x, counts, gate_up, default_blocks(rows, experts, *gate_up.shape[1:]))
+        grouped_gemm_tiled(gate_and_up, counts, down, default_blocks(rows, experts, *down.shape[1:]), swiglu=True)
