@@ -8,7 +8,6 @@ kernel's schedules, prepared on a thread of their own, upload on a stream of the
 
 from __future__ import annotations
 
-import importlib.util
 import threading
 
 import torch
@@ -16,6 +15,7 @@ import torch
 from .. import telemetry
 from ..config import PAGE_SIZE, ModelConfig
 from ..megakernel import MAX_BATCH, Megakernel, Schedule, tiled_bytes, unsupported_reason
+from ..model.reference import disable_tiled_gemm, tiled_gemm_available
 from ..model.weights import ModelWeights
 from ..native._lib import NativeError, load
 from .config import EngineConfig
@@ -69,13 +69,25 @@ class MegakernelRunner(TorchRunner):
     def __init__(self, model_config: ModelConfig, weights: ModelWeights, num_pages: list[int]):
         super().__init__(model_config, weights, num_pages)
         self.megakernel = Megakernel(model_config, weights, self.kv)  # tiles the experts in place
-        sparse = next((lw for lw in weights.layers if lw.experts_tiled), None)
-        if sparse is not None and importlib.util.find_spec("triton") is not None:
-            from ..model.tiled_moe import warm_up  # the prefill's expert GEMMs on the tiled layout
-
-            warm_up(sparse.experts_gate_up, sparse.experts_down)
+        self._warm_up_tiled_experts(weights)
         self._preparing: threading.Thread | None = None
         self._stop = threading.Event()
+
+    @staticmethod
+    def _warm_up_tiled_experts(weights: ModelWeights) -> None:
+        """Compiles the prefill's expert GEMMs on the tiled layout (model.tiled_moe) now, so that the
+        first request does not; where they cannot run, prefill untiles the routed experts instead."""
+        sparse = next((lw for lw in weights.layers if lw.experts_tiled), None)
+        if sparse is None or not tiled_gemm_available(sparse.experts_gate_up.device):
+            return
+        try:
+            from ..model.tiled_moe import warm_up
+
+            warm_up(sparse.experts_gate_up, sparse.experts_down)
+        except Exception as exc:  # Triton's compile or launch: the prefill still runs, slower
+            disable_tiled_gemm(f"{type(exc).__name__}: {exc}")
+            log.warning("the tiled experts' Triton GEMMs failed; prefill untiles the routed experts per call",
+                        error=f"{type(exc).__name__}: {exc}")
 
     @staticmethod
     def reserved_bytes(weights: ModelWeights) -> int:

@@ -237,11 +237,27 @@ def _per_expert(x: torch.Tensor, counts: torch.Tensor, expert) -> torch.Tensor:
     return y
 
 
+# Why model.tiled_moe cannot run in this process (disable_tiled_gemm), or None.
+_tiled_gemm_unusable: str | None = None
+
+
+def disable_tiled_gemm(reason: str) -> None:
+    """Tiled experts are untiled per call from now on: model.tiled_moe failed here (`reason`),
+    e.g. Triton found no C compiler for its launcher."""
+    global _tiled_gemm_unusable
+    _tiled_gemm_unusable = reason
+
+
+def tiled_gemm_available(device: torch.device) -> bool:
+    """Whether moe_experts runs tiled experts by model.tiled_moe on `device`."""
+    return (device.type == "cuda" and _tiled_gemm_unusable is None
+            and importlib.util.find_spec("triton") is not None)
+
+
 def _tiled_gemm_supported(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
     # model.tiled_moe's blocks: 64 rows (N) by 32 columns (K) of a matrix at least
     shapes_fit = all(w.shape[1] % 64 == 0 and w.shape[2] % 32 == 0 for w in (gate_up, down))
-    return (x.device.type == "cuda" and x.dtype in (torch.bfloat16, torch.float16) and shapes_fit
-            and importlib.util.find_spec("triton") is not None)
+    return x.dtype in (torch.bfloat16, torch.float16) and shapes_fit and tiled_gemm_available(x.device)
 
 
 def _grouped_mm_supported(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:

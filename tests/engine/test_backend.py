@@ -82,6 +82,29 @@ def test_the_kv_budget_leaves_what_the_backend_allocates_beside_the_kv():
     assert kv_page_counts(engine, model, 4096, torch.float32, 4 << 30)[0] == 4096 // 64
 
 
+def test_tiled_experts_whose_triton_gemms_cannot_run_are_untiled_per_prefill(monkeypatch):
+    """Where model.tiled_moe fails when the megakernel runner compiles it (here its import), the
+    runner says why and the reference's MoE untiles the routed experts from then on."""
+    import sys
+
+    from northmk.checkpoint import synthetic_weights
+    from northmk.engine import mk_runner
+    from northmk.model import reference
+    from northmk.model.weights import tile_experts_
+
+    config = ModelConfig.from_dict(config_dict("tiny"))
+    weights = synthetic_weights(config, torch.float32, "cpu", seed=0)
+    tile_experts_(weights)
+    monkeypatch.setattr(reference, "_tiled_gemm_unusable", None)
+    monkeypatch.setattr(mk_runner, "tiled_gemm_available", lambda device: True)
+    monkeypatch.setitem(sys.modules, "northmk.model.tiled_moe", None)  # its import raises ImportError
+    with structlog.testing.capture_logs() as logs:
+        mk_runner.MegakernelRunner._warm_up_tiled_experts(weights)
+    [line] = [e for e in logs if "Triton" in e["event"]]
+    assert line["log_level"] == "warning" and "import of northmk.model.tiled_moe halted" in line["error"]
+    assert not reference.tiled_gemm_available(torch.device("cuda"))
+
+
 def test_auto_is_the_default_and_picks_torch_on_cpu_saying_why(tiny_checkpoint):
     assert EngineConfig().backend == "auto"
     with structlog.testing.capture_logs() as logs:
