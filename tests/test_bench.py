@@ -105,6 +105,18 @@ def test_build_peer_and_bench_peer_reject_bad_input(tiny):
         bench_peer(peer, 1, 10, steps=0)
 
 
+def test_the_peer_refuses_experts_in_the_megakernels_layout_until_untiled():
+    from northmk.model.weights import tile_experts_, untile_experts_
+
+    config = bench.geometry("tiny")
+    weights = synthetic_weights(config, torch.float32, "cpu", seed=3)
+    tile_experts_(weights)  # as Megakernel leaves them
+    with pytest.raises(ValueError, match="tiled layout"):
+        build_peer(config, weights)
+    untile_experts_(weights)  # what bench.peer_rows does first
+    build_peer(config, weights)
+
+
 # ---- speed of light --------------------------------------------------------------------------
 
 def test_step_bytes_at_batch_1_8k_context_are_the_design_briefs_7_13_gb():
