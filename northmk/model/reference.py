@@ -10,6 +10,7 @@ prefill usable on a GPU (SDPA attention, experts grouped by expert).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
@@ -248,10 +249,14 @@ def disable_tiled_gemm(reason: str) -> None:
     _tiled_gemm_unusable = reason
 
 
+@functools.cache
+def _have_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
 def tiled_gemm_available(device: torch.device) -> bool:
     """Whether moe_experts runs tiled experts by model.tiled_moe on `device`."""
-    return (device.type == "cuda" and _tiled_gemm_unusable is None
-            and importlib.util.find_spec("triton") is not None)
+    return device.type == "cuda" and _tiled_gemm_unusable is None and _have_triton()
 
 
 def _tiled_gemm_supported(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
