@@ -48,6 +48,7 @@ for tree in "${trees[@]}"; do
   if [ "$(cat "$OUT/ab-$name.build.rc")" != 0 ]; then
     echo "$name: build failed"; tail -20 "$OUT/ab-$name.build.log"; continue
   fi
+  grep -q C7510 "$OUT/ab-$name.build.log" && echo "$name: WARNING: ptxas serialized the megakernel's wgmma (C7510)"
   names+=("$name")
 done
 rm -f "$OUT"/ab-*.build.rc

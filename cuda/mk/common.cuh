@@ -212,6 +212,10 @@ struct Kept {
     // on image_empty once it is done with the image; image_uses counts the copies.
     uint64_t image_full, image_empty;
     uint32_t image_uses;
+    // NormedStaging's arrivals, one phase per staged GEMV (kThreads arrivals); staged_uses
+    // counts the phases.
+    uint64_t staged;
+    uint32_t staged_uses;
     // The layer's mlp slots' experts (op_mlp's slot_expert_of), loaded by the CTA's first
     // GATE_UP or DOWN task of the layer; slots_layer: whose they are, -1 none.
     int slots_layer;
@@ -229,8 +233,10 @@ __device__ __forceinline__ void kept_init(char *smem) {
     k.slots_layer = -1;
     mbar_init(&k.image_full, 1);
     mbar_init(&k.image_empty, kThreads);
+    mbar_init(&k.staged, kThreads);
     mbar_init_fence();
     k.image_uses = 0;
+    k.staged_uses = 0;
 }
 
 // A GEMV input that its producers wrote in global memory in its shared-memory image (in_offset),
@@ -314,6 +320,84 @@ __device__ __forceinline__ void stage_normed(char *smem, const Params &p, const 
     __syncthreads();
     if (threadIdx.x == 0) k.normed = tag;  // every thread read it above, before the barrier
 }
+
+// A GEMV's normed input (stage_normed's values) staged by the CTA's threads around their first
+// weight burst, with no barrier (a Stage for TileDotT): load() issues the thread's loads (every
+// warp sums the NORM tiles' sums of squares of every row itself, and the thread's first chunk of
+// x and of the norm's weight) before the burst's; finish(), once the burst is issued, normalizes
+// and stores the chunk (loading any further chunks then), and arrives on Kept::staged. Every warp
+// waits for all kThreads arrivals before its first mma. The staging's loads go first: queued
+// behind a burst's 64 KB they would come back with it.
+template <int B>
+struct NormedStaging {
+    static constexpr bool kActive = true;
+    static constexpr int kSsPerLane = kMaxNormTiles / 32;
+    const Params *p;
+    char *smem;
+    const bf16 *weight;
+    // what load() issued (zeroed: read only where loaded, which ptxas cannot see)
+    float ss[B][kSsPerLane] = {};
+    float4 xa[B] = {}, xb[B] = {};
+    uint4 w = {};
+
+    __device__ __forceinline__ void load_chunk(int c) {
+#pragma unroll
+        for (int r = 0; r < B; r++) {
+            const float4 *x = reinterpret_cast<const float4 *>(p->x + (size_t)r * p->hidden) + 2 * c;
+            xa[r] = load_l2(x), xb[r] = load_l2(x + 1);
+        }
+        w = reinterpret_cast<const uint4 *>(weight)[c];
+    }
+
+    __device__ __forceinline__ void load() {
+        const int lane = threadIdx.x & 31;
+#pragma unroll
+        for (int r = 0; r < B; r++)
+#pragma unroll
+            for (int i = 0; i < kSsPerLane; i++) {
+                const int t = lane + 32 * i;
+                ss[r][i] = t < p->plan.norm_tiles ? load_l2(p->ss + r * kMaxNormTiles + t) : 0.f;
+            }
+        if (threadIdx.x < p->hidden / 8) load_chunk(threadIdx.x);
+    }
+
+    __device__ __forceinline__ void finish() {
+        bf16 *dst = reinterpret_cast<bf16 *>(smem);
+        const int H = p->hidden, chunks = H / 8;
+        float rms[B];
+#pragma unroll
+        for (int r = 0; r < B; r++) {
+            float sum = 0.f;
+#pragma unroll
+            for (int i = 0; i < kSsPerLane; i++) sum += ss[r][i];
+            rms[r] = rsqrtf(warp_sum(sum) / H + p->norm_eps);
+        }
+#pragma unroll 1
+        for (int c = threadIdx.x; c < chunks; c += kThreads) {
+            if (c != threadIdx.x) load_chunk(c);
+            float wf[8];
+            unpack8(w, wf);
+#pragma unroll
+            for (int r = 0; r < B; r++) {
+                const float v[8] = {xa[r].x, xa[r].y, xa[r].z, xa[r].w, xb[r].x, xb[r].y, xb[r].z, xb[r].w};
+                uint4 out;
+                uint32_t *o = reinterpret_cast<uint32_t *>(&out);
+#pragma unroll
+                for (int j = 0; j < 4; j++)
+                    o[j] = pack_bf16(round_bf16(v[2 * j] * rms[r]) * wf[2 * j],
+                                     round_bf16(v[2 * j + 1] * rms[r]) * wf[2 * j + 1]);
+                store_in_chunk(dst, r, c, out);
+            }
+        }
+        fence_proxy_async_shared();  // for wgmma's reads
+        mbar_arrive(&kept(smem).staged);
+    }
+};
+struct NoStaging {
+    static constexpr bool kActive = false;
+    __device__ __forceinline__ void load() {}
+    __device__ __forceinline__ void finish() {}
+};
 
 // ---- the tensor-core GEMV ---------------------------------------------------------------------
 // Weights as A (16 rows a warp) straight from global memory into registers, the 8 batch rows
@@ -416,13 +500,21 @@ constexpr int kStepsInFlight = 8;  // 32-wide k steps whose weight loads a lane 
 // with wgmma (kWg, the whole warpgroup at once; in_addr the input's address) or mma.sync
 // (in_addr the lane's ldmatrix address). Row-major weights hold the lane's column k at lo + k;
 // tiled ones (kTiled) at lo + 16 k.
-// With `ready` the input lands by a bulk copy (stage_image): each burst's loads are issued
-// before the wait (once the copy is complete, the wait passes at once).
-template <bool kWg, bool kTiled>
+// With `ready` the input lands by a bulk copy (stage_image) or by the threads' staging (`stage`
+// when stage_now: its loads first, its math after the first burst's loads, or before any weight
+// load when the unit is shorter than a burst): each burst's loads are issued before the wait
+// (once the input is complete, the wait passes at once).
+template <bool kWg, bool kTiled, class Stage = NoStaging>
 __device__ __forceinline__ void tile_dot(const bf16 *lo, const bf16 *hi, uint32_t in_addr, int ka, int kb, float c[4],
-                                         uint64_t *ready, uint32_t parity) {
+                                         uint64_t *ready, uint32_t parity, const Stage &stage = {},
+                                         bool stage_now = false) {
     constexpr int kScale = kTiled ? 16 : 1;
     int k = ka;
+    Stage st = stage;
+    if (Stage::kActive && stage_now) {
+        st.load();
+        asm volatile("" ::: "memory");  // its loads issue before the burst's
+    }
     uint4 wl[kStepsInFlight], wh[kStepsInFlight];
     float acc[kChains][4] = {};
 #pragma unroll 1
@@ -432,6 +524,7 @@ __device__ __forceinline__ void tile_dot(const bf16 *lo, const bf16 *hi, uint32_
             wl[i] = load_weight<kTiled>(lo + kScale * (k + 32 * i));
             wh[i] = load_weight<kTiled>(hi + kScale * (k + 32 * i));
         }
+        if (Stage::kActive && stage_now) st.finish(), stage_now = false;
         if (ready) mbar_wait(ready, parity);
         if (kWg) {
             wgmma_steps<kStepsInFlight>(acc, wl, wh, in_desc(in_addr, k));
@@ -441,6 +534,7 @@ __device__ __forceinline__ void tile_dot(const bf16 *lo, const bf16 *hi, uint32_
                 mma_k32(acc[i % kChains], wl[i], wh[i], load_in_k32(in_addr, k + 32 * i));
         }
     }
+    if (Stage::kActive && stage_now) st.finish();  // a unit shorter than a burst: staged before its loads
 #pragma unroll 1
     for (; k < kb; k += 32) {
         const uint4 l = load_weight<kTiled>(lo + kScale * k), h = load_weight<kTiled>(hi + kScale * k);
@@ -457,15 +551,20 @@ __device__ __forceinline__ void tile_dot(const bf16 *lo, const bf16 *hi, uint32_
 // tile_dot as gemv's k loops, over weights in the tiled layout (TileDot: every matrix the kernel
 // streams) or row-major (RowMajorDot: tools/gemv_bench.cu's row-major paths, which also pass
 // other Dots, with shared scratch and mma.sync only: kWarpgroups false).
-template <bool kTiledLayout>
+// With a Stage (kStaged; mma.sync only), gemv passes `first` (the warp's first unit: the staging
+// runs there) and runs the staging itself for a warp that has no unit.
+template <bool kTiledLayout, class Stage = NoStaging>
 struct TileDotT {
-    static constexpr bool kWarpgroups = true;  // has warpgroup(): tiles in fours run as wgmma
+    // has warpgroup(): tiles in fours run as wgmma (not with a Stage: the staging's code once less)
+    static constexpr bool kWarpgroups = !Stage::kActive;
     static constexpr bool kTiled = kTiledLayout;
-    uint64_t *ready = nullptr;                 // the input's bulk copy (stage_image), or none
+    static constexpr bool kStaged = Stage::kActive;
+    uint64_t *ready = nullptr;                 // the input's bulk copy (stage_image) or staging, or none
     uint32_t parity = 0;
+    Stage stage = {};
     __device__ __forceinline__ void operator()(const bf16 *lo, const bf16 *hi, uint32_t lane_addr, int ka, int kb,
-                                               float c[4], char *) const {
-        tile_dot<false, kTiled>(lo, hi, lane_addr, ka, kb, c, ready, parity);
+                                               float c[4], char *, bool first = false) const {
+        tile_dot<false, kTiled>(lo, hi, lane_addr, ka, kb, c, ready, parity, stage, first);
     }
     __device__ __forceinline__ void warpgroup(const bf16 *lo, const bf16 *hi, uint32_t in_addr, int ka, int kb,
                                               float c[4]) const {
@@ -474,6 +573,15 @@ struct TileDotT {
 };
 using TileDot = TileDotT<true>;
 using RowMajorDot = TileDotT<false>;
+
+template <class Dot, class = void>
+struct StagedDot {
+    static constexpr bool value = false;
+};
+template <class Dot>
+struct StagedDot<Dot, decltype(void(Dot::kStaged))> {
+    static constexpr bool value = Dot::kStaged;
+};
 
 // dot.warpgroup(...) for a Dot that has it (gemv calls it only then).
 template <class Dot>
@@ -499,7 +607,8 @@ __device__ __forceinline__ int k_parts(int units, int tiles_per_unit, int worker
 // out[r * 8 + n] = row(r) . in[n] for r < n_rows (out: shared fp32, [round_up(n_rows, 16)][8]).
 // Tiles in fours go to the two warpgroups as (four tiles, piece of K) items, any other count
 // to the warps as (16-row tile, piece of K) items (k_parts); pieces add up through `red`
-// (shared, kMaxGemvItems * 128 floats). K % 32 == 0. Ends with a barrier.
+// (shared, kMaxGemvItems * 128 floats). K % 32 == 0. A staged Dot (TileDotT with a Stage)
+// writes `in` itself during the call. Ends with a barrier.
 template <class Row, class Dot = TileDot>
 __device__ __forceinline__ void gemv(Row row, int n_rows, const bf16 *in, int K, float *out, float *red, Dot dot = {},
                                      char *scratch = nullptr) {
@@ -521,11 +630,18 @@ __device__ __forceinline__ void gemv(Row row, int n_rows, const bf16 *in, int K,
         const int ka = steps * part / ks * 32, kb = steps * (part + 1) / ks * 32;
         float c[4] = {0.f, 0.f, 0.f, 0.f};
         if (wg) warpgroup_dot(dot, lo, hi, in_addr, ka, kb, c);
+        else if constexpr (StagedDot<Dot>::value) dot(lo, hi, in_lane_addr(in_addr), ka, kb, c, scratch, u == first);
         else dot(lo, hi, in_lane_addr(in_addr), ka, kb, c, scratch);
         float *dst = ks == 1 ? out + tile * 128 : red + item * 128;
         *reinterpret_cast<float2 *>(dst + g * 8 + 2 * t) = make_float2(c[0], c[1]);
         *reinterpret_cast<float2 *>(dst + (g + 8) * 8 + 2 * t) = make_float2(c[2], c[3]);
     }
+    if constexpr (StagedDot<Dot>::value)
+        if (first >= units) {  // a warp without a unit stages its share too
+            auto st = dot.stage;
+            st.load();
+            st.finish();
+        }
     __syncthreads();
     if (ks > 1) {  // the parts' loads at once, their sum in part order (as the loop's)
 #pragma unroll 1
@@ -541,6 +657,28 @@ __device__ __forceinline__ void gemv(Row row, int n_rows, const bf16 *in, int K,
             out[i] = s;
         }
         __syncthreads();
+    }
+}
+
+// Up to this batch size a GEMV over a layer's normed input stages it while the warps' first
+// weight bursts are in flight (gemv_normed); past it the staging's registers beside a burst's
+// would crowd the kernel.
+constexpr int kStagedMaxBatch = 2;
+
+// gemv over the normed input of `tag` (stage_normed's, with the norm's weight), at smem offset 0
+// (`in`). Up to kStagedMaxBatch rows it is staged under the first bursts even when the CTA's last
+// staging was the same (one copy of the GEMV's code instead of two). Ends with a barrier.
+template <int B, class Row>
+__device__ __forceinline__ void gemv_normed(char *smem, const Params &p, const bf16 *weight, int tag, Row row,
+                                            int n_rows, bf16 *in, int K, float *out, float *red) {
+    Kept &k = kept(smem);
+    if constexpr (B <= kStagedMaxBatch) {
+        const TileDotT<true, NormedStaging<B>> dot{&k.staged, k.staged_uses & 1, {&p, smem, weight}};
+        gemv(row, n_rows, in, K, out, red, dot);
+        if (threadIdx.x == 0) k.normed = tag, k.staged_uses++;  // every thread read the count before gemv's barrier
+    } else {
+        stage_normed<B>(smem, p, weight, tag);
+        gemv(row, n_rows, in, K, out, red);
     }
 }
 

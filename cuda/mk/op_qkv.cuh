@@ -12,12 +12,11 @@ __device__ void run_qkv(const Params &p, int layer, int tile, char *smem) {
     const int H = p.hidden, Q = p.num_heads * kHeadDim, KV = p.num_kv_heads * kHeadDim;
     const int rows = p.plan.qkv_rows, r0 = tile * rows, n = min(rows, Q + 2 * KV - r0);
     GemvSmem s(smem, H, rows);
-    stage_normed<B>(smem, p, L.norm, layer);
     // Each row's page for its k and v, looked up while the GEMV streams (its barrier publishes them).
     int *page = reinterpret_cast<int *>(s.extra);
     if (r0 + n > Q && threadIdx.x < B) page[threadIdx.x] = kv_page(p, L.group, threadIdx.x, p.positions[threadIdx.x]);
     const bf16 *W = L.qkv + (size_t)r0 * H;
-    gemv([&](int r) { return W + (size_t)r * H; }, n, s.in, H, s.out, s.red);
+    gemv_normed<B>(smem, p, L.norm, layer, [&](int r) { return W + (size_t)r * H; }, n, s.in, H, s.out, s.red);
     // One thread per (row b, pair of adjacent outputs); r0 and rows are even.
 #pragma unroll 1
     for (int i = threadIdx.x; i < B * n / 2; i += kThreads) {

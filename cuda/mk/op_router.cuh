@@ -115,7 +115,9 @@ __device__ void run_router(const Params &p, int layer, int tile, char *smem) {
     const int H = p.hidden, E = p.num_experts, r0 = tile * p.plan.router_rows;
     const int n = min(p.plan.router_rows, E - r0);
     GemvSmem s(smem, H, p.plan.router_rows);
-    stage_normed<B>(smem, p, p.layers[layer].norm, layer);
+    const bf16 *W = p.layers[layer].router + (size_t)r0 * H;
+    gemv_normed<B>(smem, p, p.layers[layer].norm, layer, [&](int r) { return W + (size_t)r * H; }, n, s.in, H, s.out,
+                   s.red);
     {  // this tile's share of the image: whole 32-wide k blocks
         const int blocks = H / 32, b0 = tile * blocks / p.plan.router_tiles;
         const int b1 = (tile + 1) * blocks / p.plan.router_tiles;
@@ -124,8 +126,6 @@ __device__ void run_router(const Params &p, int layer, int tile, char *smem) {
 #pragma unroll 1
         for (int i = threadIdx.x; i < (b1 - b0) * kInBlockBytes / 16; i += kThreads) dst[i] = src[i];
     }
-    const bf16 *W = p.layers[layer].router + (size_t)r0 * H;
-    gemv([&](int r) { return W + (size_t)r * H; }, n, s.in, H, s.out, s.red);
 #pragma unroll 1
     for (int i = threadIdx.x; i < n * B; i += kThreads)
         p.router_logits[(i % B) * E + r0 + i / B] = round_bf16(s.out[(i / B) * 8 + i % B]);
