@@ -269,6 +269,19 @@ __device__ __forceinline__ void stage_image_end(char *smem, ImageCopy c) {
     if (threadIdx.x == 0) k.image_uses++;
 }
 
+// Row r of chunk c (8 columns, x as two float4, the norm's weight unpacked) of a normed input:
+// bf16(round(x * rms) * weight), the roundings of the reference's RMSNorm.
+__device__ __forceinline__ void store_normed_chunk(bf16 *dst, int r, int c, float4 xa, float4 xb, float rms,
+                                                   const float wf[8]) {
+    const float v[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+    uint4 out;
+    uint32_t *o = reinterpret_cast<uint32_t *>(&out);
+#pragma unroll
+    for (int j = 0; j < 4; j++)
+        o[j] = pack_bf16(round_bf16(v[2 * j] * rms) * wf[2 * j], round_bf16(v[2 * j + 1] * rms) * wf[2 * j + 1]);
+    store_in_chunk(dst, r, c, out);
+}
+
 // The normed residual as a GEMV input at smem offset 0: h =
 // bf16(round(x * rms) * weight), rms from the NORM tiles' sums of squares (the roundings of
 // the reference's RMSNorm). `tag` names the norm (a layer, or num_layers for the final one):
@@ -306,14 +319,7 @@ __device__ __forceinline__ void stage_normed(char *smem, const Params &p, const 
         unpack8(w, wf);
 #pragma unroll
         for (int r = 0; r < B; r++) {
-            const float v[8] = {xa[r].x, xa[r].y, xa[r].z, xa[r].w, xb[r].x, xb[r].y, xb[r].z, xb[r].w};
-            uint4 out;
-            uint32_t *o = reinterpret_cast<uint32_t *>(&out);
-#pragma unroll
-            for (int j = 0; j < 4; j++)
-                o[j] = pack_bf16(round_bf16(v[2 * j] * rms[r]) * wf[2 * j],
-                                 round_bf16(v[2 * j + 1] * rms[r]) * wf[2 * j + 1]);
-            store_in_chunk(dst, r, c, out);
+            store_normed_chunk(dst, r, c, xa[r], xb[r], rms[r], wf);
         }
     }
     fence_proxy_async_shared();
@@ -379,14 +385,7 @@ struct NormedStaging {
             unpack8(w, wf);
 #pragma unroll
             for (int r = 0; r < B; r++) {
-                const float v[8] = {xa[r].x, xa[r].y, xa[r].z, xa[r].w, xb[r].x, xb[r].y, xb[r].z, xb[r].w};
-                uint4 out;
-                uint32_t *o = reinterpret_cast<uint32_t *>(&out);
-#pragma unroll
-                for (int j = 0; j < 4; j++)
-                    o[j] = pack_bf16(round_bf16(v[2 * j] * rms[r]) * wf[2 * j],
-                                     round_bf16(v[2 * j + 1] * rms[r]) * wf[2 * j + 1]);
-                store_in_chunk(dst, r, c, out);
+                store_normed_chunk(dst, r, c, xa[r], xb[r], rms[r], wf);
             }
         }
         fence_proxy_async_shared();  // for wgmma's reads
