@@ -414,7 +414,7 @@ typedef enum nmk_opcode {
                             * ...). The last tile to finish routes the layer: row b's top_k
                             * logits (ties: lower id), ascending id, weight bf16(sigmoid(logit));
                             * slot y = the y-th smallest distinct pick (-1 past them); it writes
-                            * slot_expert, slot_k, topk_weight and the debug experts. */
+                            * slot_expert, slot_k, the picks' weights and the debug experts. */
     NMK_OP_ATTN = 4,       /* row x, kv head y, split z & 0xff of z >> 8: partial softmax(qk)v;
                             * the pair's last split to finish merges all of them into attn_out */
     NMK_OP_COMBINE = 5,    /* retired in v0.3, never emitted (ATTN merges); the checker rejects it */
@@ -422,7 +422,8 @@ typedef enum nmk_opcode {
     NMK_OP_GATE_UP = 7,    /* mlp slot y, intermediate cols [x*cols, ...): silu(gate) * up. On a
                             * sparse layer, of slot_expert[y] (nothing for -1) with the h the
                             * ROUTER tiles wrote. */
-    NMK_OP_DOWN = 8,       /* mlp slot y, hidden rows [x*rows, ...) of down @ act */
+    NMK_OP_DOWN = 8,       /* mlp slot y, hidden rows [x*rows, ...) of down @ act, times each row's
+                            * routing weight of the slot (sparse layers) */
     NMK_OP_FINAL_NORM = 9, /* tile x: NORM over the last layer's outputs */
     NMK_OP_LM_HEAD = 10,   /* vocab rows [x*lm_rows, ...) of embed @ h (final_norm): scaled
                             * logits, per-tile argmax */

@@ -115,8 +115,8 @@ class _Step:
         if self.w.layers[prev].is_dense:
             return self.mlp[b, 0, span].clone()
         total = torch.zeros(span.stop - span.start)
-        for k in range(self.c.top_k):
-            total = rb(total + rb(self.topk_weight[b, k] * self.mlp[b, k, span]))
+        for k in range(self.c.top_k):  # DOWN weighed each pick's output
+            total = rb(total + self.mlp[b, k, span])
         return total
 
     def qkv(self, layer: int, tile: int) -> None:
@@ -219,8 +219,9 @@ class _Step:
         rows = self.plan["dense_down_rows" if lw.is_dense else "moe_down_rows"]
         r0, r1 = tile * rows, min((tile + 1) * rows, self.c.hidden_size)
         inter = down.shape[1]
-        for b, k in routed:
-            self.mlp[b, k, r0:r1] = rb(self.act[y, b, :inter] @ down[r0:r1].float().T)
+        for b, k in routed:  # weighted as the reference weighs it: bf16(w * bf16(out)); dense: w = 1
+            out = rb(self.act[y, b, :inter] @ down[r0:r1].float().T)
+            self.mlp[b, k, r0:r1] = out if lw.is_dense else rb(self.topk_weight[b, k] * out)
 
     def lm_head(self, tile: int) -> None:
         rows = self.plan["lm_rows"]

@@ -75,7 +75,7 @@ struct Params {
     float *o;          // [B, H]
     int32_t *slot_expert;  // [slots] expert of each mlp slot, -1 unused
     int32_t *slot_k;       // [slots, B] which of the row's top-k picked this slot, -1 none
-    float *topk_weight;    // [B, top_k]
+    float *slot_w;         // [slots, B] that pick's routing weight (DOWN applies it)
     bf16 *act;             // [slots] DOWN's GEMV input images, in_bytes(max(I, D)) each (op_mlp's act_image)
     float *mlp;            // [B, top_k, H] expert outputs (dense: k = 0)
     float *lm_best;        // [B, lm_tiles]

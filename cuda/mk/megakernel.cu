@@ -181,7 +181,7 @@ void alloc_scratch(nmk_mk &mk, const nmk_mk_geometry &g) {
     p.o = device_alloc<float>(B * H, mk.owned);
     p.slot_expert = device_alloc<int32_t>(slots, mk.owned);
     p.slot_k = device_alloc<int32_t>(slots * B, mk.owned);
-    p.topk_weight = device_alloc<float>(B * g.top_k, mk.owned);
+    p.slot_w = device_alloc<float>(slots * B, mk.owned);
     const size_t act_bytes = slots * nmk::mk::in_bytes(std::max(g.moe_inter, g.dense_inter));
     p.act = device_alloc<bf16>(act_bytes / sizeof(bf16), mk.owned);
     cuda_check(cudaMemset(p.act, 0, act_bytes), "zero activations");

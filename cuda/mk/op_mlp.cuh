@@ -83,16 +83,21 @@ __device__ void run_down(const Params &p, int layer, int tile, int y, char *smem
     const int r0 = tile * rows, n = min(rows, p.hidden - r0);
     GemvSmem s(smem, w.inter, rows);
     int *ks = reinterpret_cast<int *>(s.extra);
-    if (threadIdx.x < B) ks[threadIdx.x] = L.dense ? 0 : load_l2(p.slot_k + y * B + threadIdx.x);
+    float *kw = reinterpret_cast<float *>(ks + B);  // the rows' routing weights of the slot (dense: 1)
+    if (threadIdx.x < B) {
+        ks[threadIdx.x] = L.dense ? 0 : load_l2(p.slot_k + y * B + threadIdx.x);
+        kw[threadIdx.x] = L.dense ? 1.f : load_l2(p.slot_w + y * B + threadIdx.x);
+    }
     const ImageCopy copy = stage_image(smem, s.in, reinterpret_cast<const bf16 *>(act_image(p, y)), in_bytes(w.inter));
     const bf16 *W = w.down + (size_t)r0 * w.inter;
     gemv([&](int r) { return W + (size_t)r * w.inter; }, n, s.in, w.inter, s.out, s.red,
-         TileDot{copy.full, copy.parity});  // its closing barrier publishes ks too
+         TileDot{copy.full, copy.parity});  // its closing barrier publishes ks and kw too
     stage_image_end(smem, copy);
 #pragma unroll 1
     for (int i = threadIdx.x; i < n * B; i += kThreads) {
         const int r = i / B, b = i % B;
-        if (ks[b] >= 0) p.mlp[((size_t)b * p.top_k + ks[b]) * p.hidden + r0 + r] = round_bf16(s.out[r * 8 + b]);
+        if (ks[b] >= 0)  // weighted as the reference weighs it: bf16(w * bf16(out))
+            p.mlp[((size_t)b * p.top_k + ks[b]) * p.hidden + r0 + r] = round_bf16(kw[b] * round_bf16(s.out[r * 8 + b]));
     }
 }
 

@@ -26,8 +26,6 @@ __device__ void run_norm(const Params &p, int layer, bool final, int tile, char 
     const bool dense = prev >= 0 && p.layers[prev].dense;
     const int K = dense ? 1 : p.top_k;
     float *ss = reinterpret_cast<float *>(smem);  // [B][kCols / 32]
-    float *w = ss + B * (kCols / 32);             // [B][top_k] the rows' expert weights
-    if (prev >= 0 && !dense && threadIdx.x < B * p.top_k) w[threadIdx.x] = load_l2(p.topk_weight + threadIdx.x);
     constexpr int kGroup = 2;  // passes whose loads are in flight together
 #pragma unroll
     for (int k0 = 0; k0 < kPasses; k0 += kGroup) {
@@ -47,18 +45,18 @@ __device__ void run_norm(const Params &p, int layer, bool final, int tile, char 
             for (int j = 0; j < kMaxTopK; j++)
                 if (j < K) e[k][j] = load_l2(m + j * p.hidden);
         }
-        if (k0 == 0) __syncthreads();  // w
 #pragma unroll
         for (int k = 0; k < kGroup; k++) {
             const int b = r0 + (k0 + k) * kRowsPerPass;
             if (k0 + k >= kPasses || b >= B) continue;  // the same for the whole warp
             float v = x[k], mlp = 0.f, a = 0.f;
             if (prev >= 0) {
-                // x + o, then + the experts' weighted outputs summed in ascending expert id
-                // (the routing lists each row's picks that way); dense: the MLP's output.
+                // x + o, then + the experts' weighted outputs (DOWN weighs them) summed in
+                // ascending expert id (the routing lists each row's picks that way); dense: the
+                // MLP's output.
 #pragma unroll
                 for (int j = 0; j < kMaxTopK; j++)
-                    if (j < K) mlp = dense ? e[k][0] : round_bf16(mlp + round_bf16(w[b * p.top_k + j] * e[k][j]));
+                    if (j < K) mlp = dense ? e[k][0] : round_bf16(mlp + e[k][j]);
                 a = attn[k];
                 v = round_bf16(round_bf16(v + a) + mlp);
             }

@@ -3,9 +3,9 @@
 // input, as a GEMV image, to normed_image, which the sparse GATE_UP tasks stage by one bulk
 // copy. The last tile to finish routes the layer from all the logits (top-k by raw logit,
 // ties to the lower id, weight = sigmoid(logit) with no renormalization, picks in ascending
-// expert id, one mlp slot per distinct expert) and publishes slot_expert and slot_k (GATE_UP,
-// DOWN) and topk_weight (the next NORM), before its signal: a GATE_UP task starts with one
-// load of its slot's expert and streams its weights while its input lands.
+// expert id, one mlp slot per distinct expert) and publishes slot_expert (GATE_UP, DOWN) and
+// slot_k and slot_w (DOWN, which weighs its outputs), before its signal: a GATE_UP task starts
+// with one load of its slot's expert and streams its weights while its input lands.
 #pragma once
 
 #include "common.cuh"
@@ -94,20 +94,24 @@ __device__ void route(const Params &p, int layer, char *smem) {
         r.slots = n;
     }
     __syncthreads();
-    // Slot y's expert (-1 past the distinct picks) and which of each row's picks it is.
+    // Slot y's expert (-1 past the distinct picks), which of each row's picks it is and its weight.
 #pragma unroll 1
     for (int i = threadIdx.x; i < p.plan.expert_slots * (B + 1); i += kThreads) {
         const int y = i / (B + 1), b = i % (B + 1), e = y < r.slots ? r.slot_expert[y] : -1;
-        if (b == B) p.slot_expert[y] = e;
-        else p.slot_k[y * B + b] = e < 0 ? -1 : r.k_of[b][e];
+        if (b == B) {
+            p.slot_expert[y] = e;
+            continue;
+        }
+        const int k = e < 0 ? -1 : r.k_of[b][e];
+        p.slot_k[y * B + b] = k;
+        p.slot_w[y * B + b] = k < 0 ? 0.f : round_bf16(1.f / (1.f + expf(-r.logit[b][e])));
     }
+    if (p.debug_experts)
 #pragma unroll 1
-    for (int i = threadIdx.x; i < B * E; i += kThreads) {  // every (row, expert) pair by its own thread
-        const int b = i / E, f = i % E, k = r.k_of[b][f];
-        if (k < 0) continue;
-        p.topk_weight[b * p.top_k + k] = round_bf16(1.f / (1.f + expf(-r.logit[b][f])));
-        if (p.debug_experts) p.debug_experts[((size_t)layer * NMK_MK_MAX_BATCH + b) * p.top_k + k] = f;
-    }
+        for (int i = threadIdx.x; i < B * E; i += kThreads) {  // every (row, expert) pair by its own thread
+            const int b = i / E, f = i % E, k = r.k_of[b][f];
+            if (k >= 0) p.debug_experts[((size_t)layer * NMK_MK_MAX_BATCH + b) * p.top_k + k] = f;
+        }
 }
 
 template <int B>
