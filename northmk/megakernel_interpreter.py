@@ -7,7 +7,8 @@ the same buffers and with the same bf16 roundings as the kernel's tasks (cuda/mk
 v0.4 semantics (include/northmk.h): NORM tiles write slices of x and their sums of squares, every reader
 of the normed input but a sparse GATE_UP normalizes x itself, ROUTER tiles write their shares
 of the normed input's image, which sparse GATE_UP tasks read, the last ROUTER tile to run
-routes the layer, and an attention pair's last split to run merges its splits. Set beside the
+routes the layer, DOWN weighs each pick's output by its routing weight, and an attention
+pair's last split to run merges its splits. Set beside the
 reference (megakernel_oracle) it checks what the schedule builder decides: tile sizes,
 attention splits, expert slots, the wiring of counters, the buffers each task reads and writes.
 
