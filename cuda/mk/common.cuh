@@ -388,7 +388,8 @@ struct NormedStaging {
                 store_normed_chunk(dst, r, c, xa[r], xb[r], rms[r], wf);
             }
         }
-        fence_proxy_async_shared();  // for wgmma's reads
+        // for a later wgmma reader of the input (a sparse GATE_UP of the layer on this CTA keeps it)
+        fence_proxy_async_shared();
         mbar_arrive(&kept(smem).staged);
     }
 };
