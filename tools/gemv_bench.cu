@@ -226,6 +226,7 @@ template <int S, int F = kLoadEngine, int kScale = 1>
 struct DotBurst {
     static constexpr bool kWarpgroups = false;  // mma.sync for every tile count
     static constexpr bool kTiled = false;       // gemv passes each lane's row pointers
+    static constexpr bool kStaged = false;      // gemv stages no input during the call
     __device__ __forceinline__ void operator()(const bf16 *lo, const bf16 *hi, uint32_t x, int ka, int kb,
                                                float c[4], char *) const {
         uint4 wl[S], wh[S];
@@ -252,6 +253,7 @@ template <int S, int NB>
 struct DotRing {
     static constexpr bool kWarpgroups = false;  // mma.sync for every tile count
     static constexpr bool kTiled = false;       // gemv passes each lane's row pointers
+    static constexpr bool kStaged = false;      // gemv stages no input during the call
     __device__ __forceinline__ void operator()(const bf16 *lo, const bf16 *hi, uint32_t x, int ka, int kb,
                                                float c[4], char *) const {
         constexpr int kBatch = 32 * S;  // k per batch
@@ -292,6 +294,7 @@ template <int S, int NB>
 struct DotAsync {
     static constexpr bool kWarpgroups = false;  // mma.sync for every tile count
     static constexpr bool kTiled = false;       // gemv passes each lane's row pointers
+    static constexpr bool kStaged = false;      // gemv stages no input during the call
     static constexpr int kStepBytes = 2 * kThreads * 16;
     static constexpr int kScratch = NB * S * kStepBytes;
     __device__ __forceinline__ void operator()(const bf16 *lo, const bf16 *hi, uint32_t x, int ka, int kb,

@@ -269,17 +269,25 @@ __device__ __forceinline__ void stage_image_end(char *smem, ImageCopy c) {
     if (threadIdx.x == 0) k.image_uses++;
 }
 
-// Row r of chunk c (8 columns, x as two float4, the norm's weight unpacked) of a normed input:
-// bf16(round(x * rms) * weight), the roundings of the reference's RMSNorm.
-__device__ __forceinline__ void store_normed_chunk(bf16 *dst, int r, int c, float4 xa, float4 xb, float rms,
-                                                   const float wf[8]) {
-    const float v[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
-    uint4 out;
-    uint32_t *o = reinterpret_cast<uint32_t *>(&out);
+// Chunk c (8 columns) of the B rows of a normed input, from each row's x (two float4) and rms
+// and the norm's weight (8 bf16): bf16(round(x * rms) * weight), the roundings of the
+// reference's RMSNorm.
+template <int B>
+__device__ __forceinline__ void store_normed_chunk(bf16 *dst, int c, const float4 (&xa)[B], const float4 (&xb)[B],
+                                                   const float *rms, uint4 w) {
+    float wf[8];
+    unpack8(w, wf);
 #pragma unroll
-    for (int j = 0; j < 4; j++)
-        o[j] = pack_bf16(round_bf16(v[2 * j] * rms) * wf[2 * j], round_bf16(v[2 * j + 1] * rms) * wf[2 * j + 1]);
-    store_in_chunk(dst, r, c, out);
+    for (int r = 0; r < B; r++) {
+        const float v[8] = {xa[r].x, xa[r].y, xa[r].z, xa[r].w, xb[r].x, xb[r].y, xb[r].z, xb[r].w};
+        uint4 out;
+        uint32_t *o = reinterpret_cast<uint32_t *>(&out);
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+            o[j] = pack_bf16(round_bf16(v[2 * j] * rms[r]) * wf[2 * j],
+                             round_bf16(v[2 * j + 1] * rms[r]) * wf[2 * j + 1]);
+        store_in_chunk(dst, r, c, out);
+    }
 }
 
 // The normed residual as a GEMV input at smem offset 0: h =
@@ -314,13 +322,7 @@ __device__ __forceinline__ void stage_normed(char *smem, const Params &p, const 
         }
         if (mine) w = reinterpret_cast<const uint4 *>(weight)[c];
         if (c < kThreads) __syncthreads();  // rms; every thread's first round
-        if (!mine) continue;
-        float wf[8];
-        unpack8(w, wf);
-#pragma unroll
-        for (int r = 0; r < B; r++) {
-            store_normed_chunk(dst, r, c, xa[r], xb[r], rms[r], wf);
-        }
+        if (mine) store_normed_chunk<B>(dst, c, xa, xb, rms, w);
     }
     fence_proxy_async_shared();
     __syncthreads();
@@ -381,12 +383,7 @@ struct NormedStaging {
 #pragma unroll 1
         for (int c = threadIdx.x; c < chunks; c += kThreads) {
             if (c != threadIdx.x) load_chunk(c);
-            float wf[8];
-            unpack8(w, wf);
-#pragma unroll
-            for (int r = 0; r < B; r++) {
-                store_normed_chunk(dst, r, c, xa[r], xb[r], rms[r], wf);
-            }
+            store_normed_chunk<B>(dst, c, xa, xb, rms, w);
         }
         // for a later wgmma reader of the input (a sparse GATE_UP of the layer on this CTA keeps it)
         fence_proxy_async_shared();
@@ -574,15 +571,6 @@ struct TileDotT {
 using TileDot = TileDotT<true>;
 using RowMajorDot = TileDotT<false>;
 
-template <class Dot, class = void>
-struct StagedDot {
-    static constexpr bool value = false;
-};
-template <class Dot>
-struct StagedDot<Dot, decltype(void(Dot::kStaged))> {
-    static constexpr bool value = Dot::kStaged;
-};
-
 // dot.warpgroup(...) for a Dot that has it (gemv calls it only then).
 template <class Dot>
 __device__ __forceinline__ void warpgroup_dot(const Dot &dot, const bf16 *lo, const bf16 *hi, uint32_t in_addr, int ka,
@@ -630,13 +618,13 @@ __device__ __forceinline__ void gemv(Row row, int n_rows, const bf16 *in, int K,
         const int ka = steps * part / ks * 32, kb = steps * (part + 1) / ks * 32;
         float c[4] = {0.f, 0.f, 0.f, 0.f};
         if (wg) warpgroup_dot(dot, lo, hi, in_addr, ka, kb, c);
-        else if constexpr (StagedDot<Dot>::value) dot(lo, hi, in_lane_addr(in_addr), ka, kb, c, scratch, u == first);
+        else if constexpr (Dot::kStaged) dot(lo, hi, in_lane_addr(in_addr), ka, kb, c, scratch, u == first);
         else dot(lo, hi, in_lane_addr(in_addr), ka, kb, c, scratch);
         float *dst = ks == 1 ? out + tile * 128 : red + item * 128;
         *reinterpret_cast<float2 *>(dst + g * 8 + 2 * t) = make_float2(c[0], c[1]);
         *reinterpret_cast<float2 *>(dst + (g + 8) * 8 + 2 * t) = make_float2(c[2], c[3]);
     }
-    if constexpr (StagedDot<Dot>::value)
+    if constexpr (Dot::kStaged)
         if (first >= units) {  // a warp without a unit stages its share too
             auto st = dot.stage;
             st.load();
