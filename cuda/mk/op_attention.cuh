@@ -198,13 +198,15 @@ __device__ inline void run_attention(const Params &p, int layer, int b, int kvh,
         const char *ks = ring + slot * 2 * kSlabBytes;
         if (kc < key1 && kc + kChunk > key0) {
             // sc: scores of head g for keys kc + 2t, + 1 (c[2], c[3]: the zero heads 8..15)
-            float sc[4] = {0.f, 0.f, 0.f, 0.f};
+            // two accumulator chains (the k16 halves of each 32-wide step), added at the end
+            float sc[4] = {0.f, 0.f, 0.f, 0.f}, sd[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
             for (int j = 0; j < kHeadDim / 32; j++) {
                 const uint4 kr = *reinterpret_cast<const uint4 *>(ks + slab_offset(kChunk * warp + g, k_chunk(j)));
                 mma_bf16(sc, qa[j].x, 0u, qa[j].y, 0u, kr.x, kr.y);
-                mma_bf16(sc, qa[j].z, 0u, qa[j].w, 0u, kr.z, kr.w);
+                mma_bf16(sd, qa[j].z, 0u, qa[j].w, 0u, kr.z, kr.w);
             }
+            sc[0] += sd[0], sc[1] += sd[1];
             float v2[2], mx = -INFINITY;
 #pragma unroll
             for (int i2 = 0; i2 < 2; i2++) {
