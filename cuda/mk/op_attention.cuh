@@ -39,7 +39,8 @@ __device__ __forceinline__ float *part_of(const Params &p, int b, int kvh, int s
 // After the ring, in the task's shared memory.
 struct AttnSmem {
     bf16 q[kMaxGroup][kQStride];
-    float m[kWarps][kMaxGroup], l[kWarps][kMaxGroup];
+    float m[kWarps][kMaxGroup], l[kWarps][kMaxGroup];  // the warps' maxima and sums; then m: their weights
+    float head_max[kMaxGroup], head_den[kMaxGroup];      // the split's, per head
     float split_w[NMK_MK_MAX_SPLITS][kMaxGroup], split_l[NMK_MK_MAX_SPLITS][kMaxGroup];
     float den[kMaxGroup];
     int32_t page[kListedPages];  // physical pages of the split's first kListedPages pages
@@ -62,30 +63,9 @@ static_assert(kMaxGroup * kHeadDim % kThreads == 0, "merge_splits gives each thr
 __device__ inline void merge_splits(const Params &p, AttnSmem &s, int b, int kvh, int splits) {
     const int G = p.num_heads / p.num_kv_heads, split_stride = G * kPartStride;
     const float *parts = part_of(p, b, kvh, 0, 0);
-#pragma unroll 1
-    for (int i = threadIdx.x; i < splits * G; i += kThreads) {
-        const float *part = parts + i / G * split_stride + i % G * kPartStride;
-        s.split_w[i / G][i % G] = load_l2(part + kHeadDim);
-        s.split_l[i / G][i % G] = load_l2(part + kHeadDim + 1);
-    }
-    __syncthreads();
-    // Warp g weighs head g's splits (lanes take splits lane, lane + 32).
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    if (warp < G) {
-        float mx = -INFINITY, den = 0.f;
-        for (int z = lane; z < splits; z += 32) mx = fmaxf(mx, s.split_w[z][warp]);
-#pragma unroll
-        for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-        for (int z = lane; z < splits; z += 32) {
-            const float w = s.split_w[z][warp] == -INFINITY ? 0.f : __expf(s.split_w[z][warp] - mx);
-            s.split_w[z][warp] = w;
-            den += w * s.split_l[z][warp];
-        }
-        den = warp_sum(den);
-        if (lane == 0) s.den[warp] = den;
-    }
-    __syncthreads();
-    // Each thread's outputs (g, d), the partials of kBatch splits at a time in flight.
+    // Each thread's outputs (g, d), the partials of kBatch splits at a time in flight; the first
+    // batch's loads go out with the splits' maxima and sums (one round trip, not two).
     constexpr int kOuts = kMaxGroup * kHeadDim / kThreads, kBatch = 16;
     float num[kOuts] = {};
 #pragma unroll 1
@@ -99,6 +79,30 @@ __device__ inline void merge_splits(const Params &p, AttnSmem &s, int b, int kvh
 #pragma unroll
             for (int dz = 0; dz < kBatch; dz++)
                 v[j][dz] = live && z0 + dz < splits ? load_l2(src + dz * split_stride) : 0.f;
+        }
+        if (z0 == 0) {
+#pragma unroll 1
+            for (int i = threadIdx.x; i < splits * G; i += kThreads) {
+                const float *part = parts + i / G * split_stride + i % G * kPartStride;
+                s.split_w[i / G][i % G] = load_l2(part + kHeadDim);
+                s.split_l[i / G][i % G] = load_l2(part + kHeadDim + 1);
+            }
+            __syncthreads();
+            // Warp g weighs head g's splits (lanes take splits lane, lane + 32).
+            if (warp < G) {
+                float mx = -INFINITY, den = 0.f;
+                for (int z = lane; z < splits; z += 32) mx = fmaxf(mx, s.split_w[z][warp]);
+#pragma unroll
+                for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+                for (int z = lane; z < splits; z += 32) {
+                    const float w = s.split_w[z][warp] == -INFINITY ? 0.f : __expf(s.split_w[z][warp] - mx);
+                    s.split_w[z][warp] = w;
+                    den += w * s.split_l[z][warp];
+                }
+                den = warp_sum(den);
+                if (lane == 0) s.den[warp] = den;
+            }
+            __syncthreads();
         }
 #pragma unroll
         for (int j = 0; j < kOuts; j++) {
@@ -254,6 +258,17 @@ __device__ inline void run_attention(const Params &p, int layer, int b, int kvh,
     __syncthreads();  // every page is read and landed: the ring and its barriers are free
     if (threadIdx.x == 0)
         for (int j = 0; j < kAttnSlots; j++) mbar_inval(&s.full[j]), mbar_inval(&s.empty[j]);
+    if (threadIdx.x < kMaxGroup) {  // head h's max over the warps, each warp's weight, the sum
+        const int h = threadIdx.x;
+        float mx = -INFINITY, den = 0.f;
+        for (int w = 0; w < kWarps; w++) mx = fmaxf(mx, s.m[w][h]);
+        for (int w = 0; w < kWarps; w++) {
+            const float e = s.m[w][h] == -INFINITY ? 0.f : __expf(s.m[w][h] - mx);
+            s.m[w][h] = e;
+            den += s.l[w][h] * e;
+        }
+        s.head_max[h] = mx, s.head_den[h] = den;
+    }
     WarpAcc &wacc = *reinterpret_cast<WarpAcc *>(ring);
 #pragma unroll
     for (int j = 0; j < kHeadDim / 16; j++) {
@@ -264,18 +279,13 @@ __device__ inline void run_attention(const Params &p, int layer, int b, int kvh,
     float *mine = part_of(p, b, kvh, split, 0);
     for (int i = threadIdx.x; i < G * kHeadDim; i += kThreads) {
         const int h = i / kHeadDim, d = i % kHeadDim;
-        float mx = -INFINITY;
-        for (int w = 0; w < kWarps; w++) mx = fmaxf(mx, s.m[w][h]);
-        float num = 0.f, den = 0.f;
-        if (mx != -INFINITY)
-            for (int w = 0; w < kWarps; w++) {
-                if (s.m[w][h] == -INFINITY) continue;
-                const float e = __expf(s.m[w][h] - mx);
-                num += wacc[w][h][d] * e, den += s.l[w][h] * e;
-            }
+        float num = 0.f;
+#pragma unroll
+        for (int w = 0; w < kWarps; w++)
+            num += wacc[w][h][d] * s.m[w][h];  // a warp with no live key has zero accumulators and weight
         float *out = mine + h * kPartStride;
         out[d] = num;
-        if (d == 0) out[kHeadDim] = mx, out[kHeadDim + 1] = den;
+        if (d == 0) out[kHeadDim] = s.head_max[h], out[kHeadDim + 1] = s.head_den[h];
     }
     // The pair's last split to finish merges them all.
     __syncthreads();
