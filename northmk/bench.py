@@ -440,10 +440,11 @@ def profiled_run(args) -> tuple[np.ndarray, object, str, ModelConfig, int]:
 
 def critical(args) -> str:
     """The report of `critical`: the chain of the step (northmk.bench_critical)."""
-    from .bench_critical import critical_path_of_run, report
+    from .bench_critical import check_times, counter_hops, critical_path_of_run, hops_report, report
 
     times, schedule, which = profiled_step(args)
-    return which + "\n" + report(critical_path_of_run(times, schedule), args.layer)
+    return "\n".join([which, report(critical_path_of_run(times, schedule), args.layer),
+                      hops_report(counter_hops(*check_times(times, schedule)))])
 
 
 def what_if_change(text: str) -> tuple[Opcode, float, float]:

@@ -13,6 +13,11 @@ length, as links of three kinds:
     hop    its counter complete -> the waiting task running (the poll, the barrier after it)
     turn   its SM's previous task ended -> this one running (claim, descriptor, barriers)
 
+Per counter, the hop from its last signaller's end to its first waiter's start (counter_hops, in
+the same report): how long a completed stage takes to start the stages that wait for it, by
+the opcodes on either side (the layer's boundary: DOWN and OPROJ -> NORM -> QKV and ROUTER; the
+routing: ROUTER -> GATE_UP).
+
 The same times also say what a change of opcode costs a task (opcode_switches, `python -m
 northmk.bench switches`): its run after a task of its own opcode on its SM against after another.
 """
@@ -126,6 +131,43 @@ def report(chain: list[Link], layer: int | None = None) -> str:
         out.append(f"  layer {pick}'s links (op, what it waited for, gap us, run us):")
         out += [f"    {link.op:>10} {link.how:>5} {link.gap_ns / 1e3:7.2f} {link.run_ns / 1e3:8.2f}"
                 for link in chain if link.layer == pick and link.op not in ("FINAL_NORM", "LM_HEAD", "ARGMAX")]
+    return "\n".join(out)
+
+
+def counter_hops(times: np.ndarray, wait: np.ndarray, target: np.ndarray, signal: np.ndarray) -> dict[str, dict]:
+    """Per (signalling opcodes -> waiting opcode), over the counters between them: the hop from
+    the end that brought the counter to its waiters' target to the first waiter's start, us
+    (count, median, mean). A task's end stamp follows its signal, so a hop may be slightly
+    negative. Arguments as critical_path's."""
+    times = np.asarray(times, dtype=np.int64)
+    n = len(times)
+    if not (len(wait) == len(target) == len(signal) == n) or times.ndim != 2 or times.shape[1] != 4:
+        raise ValueError(f"times must be [N, 4] with N counter fields each; got {times.shape}, {len(wait)}")
+    start, end, op = times[:, 1], times[:, 2], times[:, 3] & 0xFF
+    ends: dict[int, list[int]] = defaultdict(list)
+    sources: dict[int, set[str]] = defaultdict(set)
+    for i in np.flatnonzero(signal >= 0):
+        ends[int(signal[i])].append(int(end[i]))
+        sources[int(signal[i])].add(Opcode(int(op[i])).name)
+    first: dict[tuple[int, int], tuple[int, str]] = {}  # (counter, target) -> earliest waiter's start and opcode
+    for i in np.flatnonzero((wait >= 0) & (target > 0)):
+        key = (int(wait[i]), int(target[i]))
+        if key not in first or start[i] < first[key][0]:
+            first[key] = (int(start[i]), Opcode(int(op[i])).name)
+    hops: dict[str, list[float]] = defaultdict(list)
+    for (c, t), (begun, waiter) in first.items():
+        done = sorted(ends.get(c, []))
+        if len(done) < t:
+            raise ValueError(f"counter {c} is waited on for {t} signals, the step has {len(done)}")
+        hops[f"{'+'.join(sorted(sources[c]))} -> {waiter}"].append((begun - done[t - 1]) / 1e3)
+    return {pair: {"count": len(h), "median_us": float(np.median(h)), "mean_us": float(np.mean(h))}
+            for pair, h in sorted(hops.items(), key=lambda kv: -len(kv[1]))}
+
+
+def hops_report(hops: dict[str, dict]) -> str:
+    """counter_hops as lines: the pair, how many counters, the median and mean hop."""
+    out = ["counter hops (last signaller's end -> first waiter's start, us: counters, median, mean):"]
+    out += [f"  {pair:>28} {h['count']:5d} {h['median_us']:7.2f} {h['mean_us']:7.2f}" for pair, h in hops.items()]
     return "\n".join(out)
 
 

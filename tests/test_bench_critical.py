@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from northmk import bench
-from northmk.bench_critical import (HOP, START, TURN, context_bucket, critical_path, critical_path_of_run,
-                                    opcode_switches, report, summarize, switches_report)
+from northmk.bench_critical import (HOP, START, TURN, context_bucket, counter_hops, critical_path,
+                                    critical_path_of_run, hops_report, opcode_switches, report, summarize,
+                                    switches_report)
 from northmk.bench_simulate import replay_runs, simulate
 from northmk.megakernel import Opcode, Schedule
 from northmk.megakernel_interpreter import execution_order
@@ -64,6 +65,34 @@ def test_bad_timings_are_refused():
     with pytest.raises(ValueError, match=r"\[N, 4\]"):
         critical_path(times[:, :3], np.array([-1]), np.array([0]), np.array([-1]))
     assert critical_path(np.zeros((0, 4)), np.array([]), np.array([]), np.array([])) == []
+
+
+def test_counter_hops_go_from_the_completing_end_to_the_first_waiter():
+    # c0: DOWN and OPROJ -> two NORM tiles; c1: NORM -> QKV; c2: QKV -> ATTN, two layers of it.
+    times = np.array([
+        record(Opcode.DOWN, 0, 0, 0, 10_000),
+        record(Opcode.OPROJ, 1, 0, 0, 20_000),
+        record(Opcode.NORM, 2, 0, 20_500, 25_000),
+        record(Opcode.NORM, 3, 0, 21_000, 24_000),
+        record(Opcode.QKV, 0, 11_000, 26_000, 30_000),
+        record(Opcode.ATTN, 1, 21_000, 31_000, 40_000),
+        record(Opcode.QKV, 2, 26_000, 41_000, 50_000, layer=1),
+        record(Opcode.ATTN, 3, 26_000, 50_500, 60_000, layer=1),
+    ])
+    wait = np.array([-1, -1, 0, 0, 1, 2, -1, 3])
+    target = np.array([0, 0, 2, 2, 2, 1, 0, 1])
+    signal = np.array([0, 0, 1, 1, 2, -1, 3, -1])
+    hops = counter_hops(times, wait, target, signal)
+    assert list(hops) == ["QKV -> ATTN", "DOWN+OPROJ -> NORM", "NORM -> QKV"]  # most counters first
+    assert hops["DOWN+OPROJ -> NORM"] == {"count": 1, "median_us": 0.5, "mean_us": 0.5}
+    assert hops["NORM -> QKV"]["median_us"] == 1.0  # the later NORM's end completed it
+    assert hops["QKV -> ATTN"] == {"count": 2, "median_us": 0.75, "mean_us": 0.75}
+    text = hops_report(hops)
+    assert text.splitlines()[0].startswith("counter hops") and "DOWN+OPROJ -> NORM" in text
+    with pytest.raises(ValueError, match="counter 1 is waited on for 3 signals, the step has 2"):
+        counter_hops(times, wait, np.array([0, 0, 2, 2, 3, 1, 0, 1]), signal)
+    with pytest.raises(ValueError, match=r"\[N, 4\]"):
+        counter_hops(times[:, :3], wait, target, signal)
 
 
 def timed_step(schedule: Schedule, run_ns: int = 1000) -> np.ndarray:
@@ -120,6 +149,7 @@ def test_critical_command_reads_the_batch_and_context_from_the_file_name(tmp_pat
     assert bench.main(["critical", str(path), "--sms", "4", "--geometry", "mk-small", "--layer", "1"]) == 0
     out = capsys.readouterr().out
     assert f"{path}: batch 2, context 100, 4 SMs" in out and "critical path:" in out and "layer 1's links" in out
+    assert "counter hops" in out and "NORM -> QKV" in out
     assert bench.main(["critical", str(path), "--sms", "4", "--geometry", "mk-small", "--batch", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "another batch, context or SM count" in err[0]
