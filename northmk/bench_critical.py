@@ -56,13 +56,19 @@ def previous_on_sm(began: np.ndarray, sm: np.ndarray) -> np.ndarray:
     return previous
 
 
+def counter_times(times: np.ndarray, wait: np.ndarray, target: np.ndarray, signal: np.ndarray) -> np.ndarray:
+    """times as int64 once they are [N, 4] with N of each counter field; else ValueError."""
+    times = np.asarray(times, dtype=np.int64)
+    if not (len(wait) == len(target) == len(signal) == len(times)) or times.ndim != 2 or times.shape[1] != 4:
+        raise ValueError(f"times must be [N, 4] with N counter fields each; got {times.shape}, {len(wait)}")
+    return times
+
+
 def critical_path(times: np.ndarray, wait: np.ndarray, target: np.ndarray, signal: np.ndarray) -> list[Link]:
     """The chain that ended last, first link first. times [N, 4] as the bench saves them; wait,
     target, signal [N] the tasks' counter fields (wait -1: none; signal -1: none)."""
-    times = np.asarray(times, dtype=np.int64)
+    times = counter_times(times, wait, target, signal)
     n = len(times)
-    if not (len(wait) == len(target) == len(signal) == n) or times.ndim != 2 or times.shape[1] != 4:
-        raise ValueError(f"times must be [N, 4] with N counter fields each; got {times.shape}, {len(wait)}")
     if n == 0:
         return []
     began, start, end = times[:, 0], times[:, 1], times[:, 2]
@@ -139,10 +145,7 @@ def counter_hops(times: np.ndarray, wait: np.ndarray, target: np.ndarray, signal
     the end that brought the counter to its waiters' target to the first waiter's start, us
     (count, median, mean). A task's end stamp follows its signal, so a hop may be slightly
     negative. Arguments as critical_path's."""
-    times = np.asarray(times, dtype=np.int64)
-    n = len(times)
-    if not (len(wait) == len(target) == len(signal) == n) or times.ndim != 2 or times.shape[1] != 4:
-        raise ValueError(f"times must be [N, 4] with N counter fields each; got {times.shape}, {len(wait)}")
+    times = counter_times(times, wait, target, signal)
     start, end, op = times[:, 1], times[:, 2], times[:, 3] & 0xFF
     ends: dict[int, list[int]] = defaultdict(list)
     sources: dict[int, set[str]] = defaultdict(set)
