@@ -153,21 +153,44 @@ class DecodeState:
         return self.tokens
 
 
-def bench_megakernel(config, weights, batch: int, context: int, steps: int, warmup: int = 8) -> dict:
+def timed_steps(s: DecodeState, steps: int, ahead: bool) -> tuple[float, list[list[int]]]:
+    """Seconds a step over `steps` steps, and each step's tokens as the host read them. With
+    `ahead`, as the engine's decode loop runs them (decode_ahead, its default): step t + 1, fed
+    step t's tokens on the device, is enqueued before step t's tokens are waited for and read,
+    from pinned buffers that the stream fills after each step. Without it, each step's tokens
+    are read before the next step is enqueued (the engine's --no-decode-ahead)."""
+    torch.cuda.synchronize()
+    host = [torch.empty(s.tokens.shape, dtype=torch.int32, pin_memory=True) for _ in range(2)]
+    copied = [torch.cuda.Event() for _ in range(2)]
+    read = []
+    start = time.perf_counter()
+    for i in range(steps):
+        if not ahead:
+            read.append(s.step().tolist())
+            continue
+        host[i % 2].copy_(s.step(), non_blocking=True)
+        copied[i % 2].record()
+        if i:
+            copied[(i - 1) % 2].synchronize()
+            read.append(host[(i - 1) % 2].tolist())
+    if ahead:
+        copied[(steps - 1) % 2].synchronize()
+        read.append(host[(steps - 1) % 2].tolist())
+    return (time.perf_counter() - start) / steps, read
+
+
+def bench_megakernel(config, weights, batch: int, context: int, steps: int, warmup: int = 8,
+                     ahead: bool = True) -> dict:
     s = DecodeState(config, weights, batch, context)
     for _ in range(warmup):
         s.step()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):  # as the native loop runs it: step, then publish tokens to the host
-        s.step().tolist()
-    seconds = (time.perf_counter() - start) / steps
+    seconds, _ = timed_steps(s, steps, ahead)
     timing, task_times = profile(s.mk, s.tokens, s.positions, s.tables)
     s.mk.enable_debug()  # one more step, traced, for the experts it really routed to
     s.mk.step(s.tokens, s.positions, s.tables)
     distinct = routed_distinct(config, s.mk.trace(batch).experts)
     s.mk.close()
-    return {"backend": MEGAKERNEL, "batch": batch, "context": context, "ms_per_step": seconds * 1e3,
+    return {"backend": MEGAKERNEL, "batch": batch, "context": context, "ms_per_step": seconds * 1e3, "ahead": ahead,
             "tok_s": batch / seconds, "distinct_experts": distinct, "profile": timing,
             "task_times": task_times}
 
@@ -247,7 +270,7 @@ def routed_distinct(config: ModelConfig, experts: torch.Tensor) -> float:
 
 def megakernel_rows(args, config, weights, keep) -> None:
     for batch in args.batch:
-        row = bench_megakernel(config, weights, batch, args.context, args.steps, args.warmup)
+        row = bench_megakernel(config, weights, batch, args.context, args.steps, args.warmup, not args.wait_each_step)
         # Every task the profiled step ran (wait, start, end ns; op | layer << 8 | sm << 16), in the
         # order of the schedule's task array (lists, then queues) less its DRAIN entries, for
         # timelines off the device.
@@ -546,6 +569,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     d.add_argument("--context", type=int, default=8192, help="tokens of KV each row attends to")
     d.add_argument("--steps", type=int, default=256, help="timed steps per row")
     d.add_argument("--warmup", type=int, default=8, help="untimed steps before them (the peer's compile)")
+    d.add_argument("--wait-each-step", action="store_true",
+                   help="read each step's tokens before the next step is enqueued (the engine's --no-decode-ahead); "
+                        "by default step t + 1 is enqueued first, as the engine runs")
     peer = d.add_mutually_exclusive_group()
     peer.add_argument("--no-peer", action="store_true", help="skip the transformers peer")
     peer.add_argument("--peer-only", action="store_true", help="only the transformers peer (any device)")

@@ -375,3 +375,23 @@ def test_create_refuses_more_layers_than_its_table_holds(monkeypatch):
             m.setattr(northmk.megakernel, "unsupported_reason", lambda config: None)
             with pytest.raises(NativeError, match="at most 128 layers"):
                 Megakernel(config, weights, kv)
+
+
+def test_the_bench_loop_run_ahead_reads_the_tokens_of_the_waiting_loop():
+    """northmk.bench's timed loop enqueues step t + 1 before it reads step t's tokens (as the
+    engine's decode_ahead does): the host must read every step's tokens, the same ones a loop
+    that waits for each step reads."""
+    from northmk.bench import DecodeState, timed_steps
+
+    config = north(num_layers=2)
+    weights = synthetic_weights(config, torch.bfloat16, "cuda", seed=5)
+    reads = []
+    for ahead in (False, True):
+        torch.manual_seed(9)  # the same first tokens and KV noise for both
+        s = DecodeState(config, weights, 3, 700)
+        _, read = timed_steps(s, 12, ahead)
+        s.mk.close()
+        reads.append(read)
+    assert len(reads[1]) == 12 and all(len(r) == 3 for r in reads[1])
+    assert reads[1] == reads[0]
+    assert len({tuple(r) for r in reads[0]}) > 1  # the steps fed each other new tokens
