@@ -22,7 +22,8 @@ def test_engine_bench_writes_a_row_per_batch(tmp_path):
     for row in result["rows"]:
         assert row["backend"] == "torch" and row["ragged"]
         # the host samples here (no GPU sampler), so no step is enqueued ahead
-        assert row["scheduler"] == {"ahead_steps_taken": 0, "ahead_rows_dropped": 0, "ahead_pages_reserved": 0}
+        assert row["scheduler"] == {"ahead_steps_taken": 0, "ahead_rows_dropped": 0, "ahead_pages_reserved": 0,
+                                    "greedy_rows_undrawn": 0}
         assert row["window_tokens"] >= 12 * row["batch"] and row["tok_s"] > 0
         # the steps whose whole call falls inside the window: all but those at its edges
         assert row["loop_thread"]["calls"] >= 12 - 3 and row["first_window_period_us"]["p50"] > 0

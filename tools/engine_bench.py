@@ -152,7 +152,7 @@ async def one_batch(engine: AsyncEngine, prompts: list[list[int]], steps: int, t
             await gen.aclose()  # aborts the request
 
     s = engine.scheduler
-    counted = ("ahead_steps_taken", "ahead_rows_dropped", "ahead_pages_reserved")
+    counted = ("ahead_steps_taken", "ahead_rows_dropped", "ahead_pages_reserved", "greedy_rows_undrawn")
     before = [getattr(s, c) for c in counted]
     tasks = [asyncio.create_task(run(i)) for i in range(batch)]
     waiter = asyncio.create_task(done.wait())

@@ -138,6 +138,11 @@ class MegakernelRunner(TorchRunner):
     def decode_on_device(self, tokens: torch.Tensor, positions: list[int], tables: list[torch.Tensor]) -> torch.Tensor:
         """decode() on tokens and tables (device_tables) that may already be on the device, e.g. the
         previous step's sampled tokens: nothing waits for the device."""
+        return self.decode_greedy_on_device(tokens, positions, tables)[0]
+
+    def decode_greedy_on_device(self, tokens: torch.Tensor, positions: list[int], tables: list[torch.Tensor]
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """decode_on_device, and the greedy tokens the step's kernel reduced from its logits
+        (its ARGMAX tasks: the lowest id among equal maxima)."""
         with torch.cuda.device(self.megakernel.weights.device):  # the loop thread's current device may differ
-            logits, _ = self.megakernel.step(tokens, list(positions), tables)
-        return logits
+            return self.megakernel.step(tokens, list(positions), tables)

@@ -95,6 +95,13 @@ class TorchRunner:
         layout = BatchLayout([1] * len(positions), list(positions), tables)
         return self.model.step(tokens.long(), layout, self.kv)
 
+    def decode_greedy_on_device(self, tokens: torch.Tensor, positions: list[int], tables: list[torch.Tensor]
+                                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """decode_on_device, and each row's greedy token where the backend's step computes it
+        beside the logits (int32 [rows] on the device, the lowest id among equal maxima, as
+        nmk_sample's greedy draw), else None (here: the PyTorch step computes none)."""
+        return self.decode_on_device(tokens, positions, tables), None
+
     def prepare_schedules(self, max_batch: int, max_len: int) -> None:
         """Starts the backend's background work before serving (the megakernel's schedules);
         the PyTorch backend has none."""

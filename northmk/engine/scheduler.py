@@ -69,6 +69,7 @@ class Scheduler:
         self.ahead_steps_taken = 0  # steps enqueued ahead whose tokens were used
         self.ahead_rows_dropped = 0  # rows of steps enqueued ahead whose tokens were not used
         self.ahead_pages_reserved = 0  # rows of steps enqueued ahead whose next position started a page
+        self.greedy_rows_undrawn = 0  # rows of device steps whose tokens were the step's own greedy ones
 
     # ---- the loop thread ----------------------------------------------------------------
     def decode_step(self, batch: native.StepInput) -> tuple[list[int], list[float]]:
@@ -119,10 +120,19 @@ class Scheduler:
     def _enqueue(self, seqs: list[Sequence], ids: list[int], positions: list[int], params: list[DrawParams],
                  tokens: torch.Tensor, tables: list[torch.Tensor]) -> "_DeviceStep":
         """The model and the draw on the device, and the tokens' copy to the host; nothing waits.
-        tokens int32 [B] (host, or the device's from the step before), tables on the device."""
-        logits = self.runner.decode_on_device(tokens, positions, tables)
-        drawn, logprobs = self.device_sampler.draw(logits, params)
+        tokens int32 [B] (host, or the device's from the step before), tables on the device.
+        When every row is greedy and none wants its logprob, the tokens are the ones the step
+        itself reduced from the logits where the backend computes them (the megakernel's), and
+        no sampler runs."""
         want = [s.sampler.params.logprobs is not None for s in seqs]
+        if all(p.temperature <= 0 for p in params) and not any(want):
+            logits, drawn = self.runner.decode_greedy_on_device(tokens, positions, tables)
+        else:
+            logits, drawn = self.runner.decode_on_device(tokens, positions, tables), None
+        if drawn is None:
+            drawn, logprobs = self.device_sampler.draw(logits, params)
+        else:
+            self.greedy_rows_undrawn += len(seqs)
         both = torch.cat((drawn, logprobs.view(torch.int32))) if any(want) else drawn
         host, done = both, None
         if both.is_cuda:

@@ -208,6 +208,40 @@ async def test_greedy_rows_draw_on_the_device_with_the_host_paths_tokens_and_log
             assert math.isclose(lp.logprob, host_lp.logprob, rel_tol=1e-5, abs_tol=1e-5)
 
 
+async def test_greedy_steps_take_the_tokens_the_step_computed_and_run_no_sampler(make_engine):
+    """A backend whose step reduces its logits to greedy tokens (the megakernel's ARGMAX tasks)
+    serves a step of greedy rows that want no logprobs with them: no draw runs for it. A step
+    with a row that wants its logprob, or samples, still draws. Here the PyTorch step is given
+    that reduction (the first of equal maxima, as the kernel and nmk_sample's greedy take)."""
+    sampler = ReferenceSampler()
+    device = await make_engine(device_sampler=sampler, max_batch=4)
+    host = await make_engine(max_batch=4)
+    decode, reduced = device.runner.decode_on_device, []
+
+    def decode_greedy(tokens, positions, tables):
+        logits = decode(tokens, positions, tables)
+        reduced.append(len(positions))
+        return logits, torch.argmax(logits, dim=-1).to(torch.int32)
+
+    device.runner.decode_greedy_on_device = decode_greedy
+    for engine in (device, host):
+        engine.results = await asyncio.gather(*[run(engine, p, f"g{i}", max_tokens=24)
+                                                for i, p in enumerate(PROMPTS)])
+    assert [ids for ids, _ in device.results] == [ids for ids, _ in host.results]
+    assert max(reduced) > 1 and sampler.draws == []  # steps of several greedy rows took the step's tokens
+    s = device.scheduler
+    assert s.greedy_rows_undrawn - s.ahead_rows_dropped == sum(len(ids) - 1 for ids, _ in device.results)
+
+    reduced.clear()
+    ids, lps = await run(device, PROMPTS[0], "lp", max_tokens=12, logprobs=0)
+    host_ids, host_lps = await run(host, PROMPTS[0], "lp", max_tokens=12, logprobs=0)
+    assert ids == host_ids and len(lps) == 12
+    assert all(math.isclose(a.logprob, b.logprob, rel_tol=1e-5, abs_tol=1e-5) for a, b in zip(lps, host_lps))
+    assert reduced == [] and len(sampler.draws) == 11  # each decode step's logprob came from its draw
+    await run(device, PROMPTS[0], "t", max_tokens=8, temperature=1.0, seed=3)
+    assert reduced == [] and [d[0].temperature for d in sampler.draws[11:]] == [1.0] * 7
+
+
 async def test_seeded_device_draws_repeat_and_differ_from_the_hosts(make_engine):
     sampler = ReferenceSampler()
     device = await make_engine(device_sampler=sampler)

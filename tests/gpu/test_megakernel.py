@@ -395,3 +395,22 @@ def test_the_bench_loop_run_ahead_reads_the_tokens_of_the_waiting_loop():
     assert len(reads[1]) == 12 and all(len(r) == 3 for r in reads[1])
     assert reads[1] == reads[0]
     assert len({tuple(r) for r in reads[0]}) > 1  # the steps fed each other new tokens
+
+
+def test_the_steps_greedy_tokens_are_the_samplers_greedy_draws_of_its_logits():
+    """The engine serves a step of greedy rows that want no logprobs with the kernel's own
+    ARGMAX tokens, where it would otherwise run nmk_sample's greedy draw on the logits: the two
+    must agree (the largest logit, the lowest id among equal ones)."""
+    from northmk.engine.gpu_sampling import DrawParams, GpuSampler
+
+    config = north(num_layers=2)
+    weights = synthetic_weights(config, torch.bfloat16, "cuda", seed=6)
+    kv, tables = noisy_cache(config, 5, 900, seed=8)
+    mk = Megakernel(config, weights, kv)
+    sampler, greedy = GpuSampler("cuda"), [DrawParams(0.0, 0, 1.0, 0.0, 0, 0)] * 5
+    tokens = torch.tensor([3, 14, 159, 2653, 58979], dtype=torch.int32, device="cuda")
+    for step in range(4):
+        logits, tokens = mk.step(tokens, [100 + step, 899, 20 + step, 64 + step, 500], tables)
+        drawn, _ = sampler.draw(logits, greedy)
+        assert torch.equal(tokens, drawn), step
+    mk.close()

@@ -189,7 +189,11 @@ async def test_steps_enqueued_ahead_change_no_token(engines):
     assert ahead.scheduler.ahead_steps_taken > 100
     assert ahead.scheduler.ahead_pages_reserved >= 2  # the sampled row's steps at positions 64 and 128
     drawn = sum(len(ids) - 1 for ids, _ in got)  # each row's first token comes from prefill
-    assert ahead.device_sampler.rows - ahead.scheduler.ahead_rows_dropped == drawn == plain.device_sampler.rows
+    # The greedy request's 69 decode steps took the kernel's own greedy tokens; the rest drew.
+    assert plain.scheduler.greedy_rows_undrawn == 69
+    a, p = ahead.scheduler, plain.scheduler
+    assert ahead.device_sampler.rows + a.greedy_rows_undrawn - a.ahead_rows_dropped == drawn
+    assert drawn == plain.device_sampler.rows + p.greedy_rows_undrawn
 
 
 # ---- the real server ----------------------------------------------------------------------
