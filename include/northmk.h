@@ -342,7 +342,10 @@ NMK_API nmk_status nmk_loop_num_rows(nmk_loop *loop, uint32_t *out);
 
 /* ==== GPU sampling: owned by cuda/sample ==== */
 
-/* One token per row drawn on the GPU by one kernel launch (one CTA per row), without a sort:
+/* One token per row drawn on the GPU by one kernel launch, without a sort (a row's vocab in up to
+ * 32 slices of at least 2048 logits, one CTA each, as many as the SMs hold for all rows at once;
+ * the CTAs of a row meet at barriers in a scratch of the device's, so calls on one device must
+ * run one after another, e.g. in one stream):
  * s_i = logit_i * (1 / temperature); top_k, top_p and min_p each keep the tokens whose s is at or
  * above a threshold (ties at a threshold are all kept), then the token is the argmax over
  * kept i of s_i + gumbel_i (lowest id on ties), where gumbel_i is a counter-based hash of

@@ -1,4 +1,8 @@
-// nmk_sample: one token per row drawn on the GPU, one CTA per row, one launch per call.
+// nmk_sample: one token per row drawn on the GPU, one launch per call. A row's vocab is split
+// into slices, one CTA each (up to kMaxSlices, as many as the SMs allow for all rows at once);
+// after each pass the row's CTAs meet at a barrier in global memory (row_sync) and every one of
+// them reads the same combined result: partial maxima and sums by slice in slice order, radix
+// histograms added with integer atomics. A row of one slice runs without the scratch.
 //
 // Passes over a row (each a read of V floats, from L2 right after the megakernel):
 //   raw max, argmax and sum exp (greedy token, logprob)                          always
@@ -14,6 +18,7 @@
 // agreeing to 1e-5, and a pre-check with a proven margin before the exact Gumbel noise).
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstring>
 #include <string>
 
@@ -24,6 +29,8 @@ namespace {
 
 constexpr int kThreads = 1024, kWarps = kThreads / 32;
 constexpr int kBins = 2048;              // the widest radix digit, 11 bits
+constexpr uint32_t kMaxSlices = 32;      // CTAs per row
+constexpr uint32_t kMinSlice = 2048;     // logits per CTA at least: below that a row stays whole
 constexpr uint32_t kCandidates = 2048;   // tokens a row keeps in shared memory
 constexpr uint32_t kNone = 0xffffffffu;  // no token / no bin
 constexpr float kInf = __builtin_huge_valf();
@@ -121,14 +128,14 @@ struct Shared {
 // in flight per thread: a single CTA needs that many to draw on L2's bandwidth.
 constexpr uint32_t kLoads = 4;
 template <class F>
-__device__ __forceinline__ void for_each_logit(const float *row, uint32_t vocab, F &&f) {
-    if ((vocab & 3u) == 0 && (reinterpret_cast<uintptr_t>(row) & 15u) == 0) {
+__device__ __forceinline__ void for_each_logit(const float *row, uint32_t vocab, uint32_t lo, uint32_t hi, F &&f) {
+    if ((vocab & 3u) == 0 && (reinterpret_cast<uintptr_t>(row) & 15u) == 0) {  // lo, hi: multiples of 4
         const float4 *v = reinterpret_cast<const float4 *>(row);
-        const uint32_t n = vocab / 4;
+        const uint32_t n = hi / 4;
         auto use = [&](float4 x, uint32_t j) {
             f(x.x, 4 * j), f(x.y, 4 * j + 1), f(x.z, 4 * j + 2), f(x.w, 4 * j + 3);
         };
-        uint32_t j = threadIdx.x;
+        uint32_t j = lo / 4 + threadIdx.x;
         for (; j + (kLoads - 1) * kThreads < n; j += kLoads * kThreads) {
             float4 x[kLoads];
 #pragma unroll
@@ -138,14 +145,14 @@ __device__ __forceinline__ void for_each_logit(const float *row, uint32_t vocab,
         }
         for (; j < n; j += kThreads) use(__ldcg(v + j), j);
     } else {
-        for (uint32_t i = threadIdx.x; i < vocab; i += kThreads) f(row[i], i);
+        for (uint32_t i = lo + threadIdx.x; i < hi; i += kThreads) f(row[i], i);
     }
 }
 
 struct RowView {
     const float *logits;
-    uint32_t vocab;
-    float inv_t;  // 1 / temperature, correctly rounded
+    uint32_t vocab, lo, hi;  // this CTA's slice [lo, hi) of the row
+    float inv_t;             // 1 / temperature, correctly rounded
 };
 
 // Calls f(s, i) for every candidate: the row's scaled logits, or the list once there is one.
@@ -155,7 +162,7 @@ __device__ __forceinline__ void for_each_candidate(const RowView &r, const Share
     if (n != kNone) {
         for (uint32_t c = threadIdx.x; c < n; c += kThreads) f(sh.cand_s[c], sh.cand_i[c]);
     } else {
-        for_each_logit(r.logits, r.vocab, [&](float x, uint32_t i) { f(scaled(x, r.inv_t), i); });
+        for_each_logit(r.logits, r.vocab, r.lo, r.hi, [&](float x, uint32_t i) { f(scaled(x, r.inv_t), i); });
     }
 }
 
@@ -228,6 +235,113 @@ __device__ unsigned long long bin_mass(const Shared &sh, uint32_t b) {
     return static_cast<unsigned long long>(sh.mass_hi[b]) << 32 | sh.mass_lo[b];
 }
 
+// ---- a row's CTAs together ----
+// Global scratch per row, zero between launches: the last barrier of a launch that used a
+// histogram is followed by each CTA clearing its share of it. Launches on one device run one
+// after another (one stream), as the decode loop issues them.
+constexpr int kHistograms = 6;  // top_k's three radix levels, then top_p's three
+struct RowScratch {
+    uint32_t arrived, generation;  // row_sync: CTAs at the barrier, barriers passed
+    float soft_v[kMaxSlices], soft_sum[kMaxSlices], best_v[kMaxSlices];
+    uint32_t soft_i[kMaxSlices], best_i[kMaxSlices];
+    uint32_t count[kHistograms][kBins];
+    unsigned long long mass[3][kBins];  // top_p's levels
+};
+__device__ RowScratch g_rows[NMK_SAMPLE_MAX_ROWS];
+
+struct Team {  // this CTA among its row's
+    RowScratch *g;
+    uint32_t slice, slices;
+    uint32_t used;  // bit h: this launch added into histogram h
+};
+
+__device__ uint32_t load_acquire(const uint32_t *p) {
+    uint32_t v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// Every CTA of the row arrives before any leaves; what each wrote before is visible to all
+// after (read it with __ldcg). The last to arrive resets the count and opens the barrier.
+__device__ void row_sync(const Team &t) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const uint32_t seen = load_acquire(&t.g->generation);
+        __threadfence();
+        if (atomicAdd(&t.g->arrived, 1u) == t.slices - 1) {
+            atomicExch(&t.g->arrived, 0u);
+            __threadfence();
+            atomicAdd(&t.g->generation, 1u);
+        } else {
+            while (load_acquire(&t.g->generation) == seen) __nanosleep(32);
+        }
+        __threadfence();
+    }
+    __syncthreads();
+}
+
+// The row's histogram h from every CTA's (in shared memory), added in global memory with
+// integer atomics (exact in any order), back into this CTA's shared histogram.
+template <bool kWithMass>
+__device__ void share_histogram(Shared &sh, Team &t, int h, uint32_t bins) {
+    uint32_t *count = t.g->count[h];
+    unsigned long long *mass = t.g->mass[kWithMass ? h - 3 : 0];
+    for (uint32_t b = threadIdx.x; b < bins; b += kThreads) {
+        if (sh.count[b]) atomicAdd(&count[b], sh.count[b]);
+        if (kWithMass) {
+            const unsigned long long m = bin_mass(sh, b);
+            if (m) atomicAdd(&mass[b], m);
+        }
+    }
+    t.used |= 1u << h;
+    row_sync(t);
+    for (uint32_t b = threadIdx.x; b < bins; b += kThreads) {
+        sh.count[b] = __ldcg(&count[b]);
+        if (kWithMass) {
+            const unsigned long long m = __ldcg(&mass[b]);
+            sh.mass_lo[b] = static_cast<uint32_t>(m), sh.mass_hi[b] = static_cast<uint32_t>(m >> 32);
+        }
+    }
+    __syncthreads();
+}
+
+// After the launch's last barrier: this CTA's share of every histogram the row used, zeroed.
+__device__ void clear_histograms(const Team &t) {
+    const uint32_t lo = t.slice * kBins / t.slices, hi = (t.slice + 1) * kBins / t.slices;
+    for (int h = 0; h < kHistograms; h++) {
+        if (!(t.used >> h & 1)) continue;
+        for (uint32_t b = lo + threadIdx.x; b < hi; b += kThreads) {
+            t.g->count[h][b] = 0;
+            if (h >= 3) t.g->mass[h - 3][b] = 0;
+        }
+    }
+}
+
+// The row's max, argmax and sum exp from each CTA's, merged in slice order.
+__device__ Softmax share_softmax(Softmax x, Shared &sh, const Team &t) {
+    if (threadIdx.x == 0) t.g->soft_v[t.slice] = x.top.v, t.g->soft_i[t.slice] = x.top.i, t.g->soft_sum[t.slice] = x.sum;
+    row_sync(t);
+    if (threadIdx.x == 0) {
+        Softmax all{{-kInf, kNone}, 0.0f};
+        for (uint32_t c = 0; c < t.slices; c++)
+            all = merge(all, {{__ldcg(&t.g->soft_v[c]), __ldcg(&t.g->soft_i[c])}, __ldcg(&t.g->soft_sum[c])});
+        sh.red_v[0] = all.top.v, sh.red_i[0] = all.top.i, sh.red_sum[0] = all.sum;
+    }
+    __syncthreads();
+    x = {{sh.red_v[0], sh.red_i[0]}, sh.red_sum[0]};
+    __syncthreads();
+    return x;
+}
+
+// The row's Gumbel winner from each CTA's (thread 0's result).
+__device__ Best share_best(Best x, const Team &t) {
+    if (threadIdx.x == 0) t.g->best_v[t.slice] = x.v, t.g->best_i[t.slice] = x.i;
+    row_sync(t);
+    if (threadIdx.x == 0)
+        for (uint32_t c = 0; c < t.slices; c++) x = better(x, {__ldcg(&t.g->best_v[c]), __ldcg(&t.g->best_i[c])});
+    return x;
+}
+
 // Radix levels over the 32 key bits: digits of 11, 11 and 10 bits.
 __device__ int level_shift(int level) { return level == 0 ? 21 : level == 1 ? 10 : 0; }
 __device__ uint32_t level_bins(int level) { return level == 2 ? 1024u : 2048u; }
@@ -238,7 +352,7 @@ __device__ uint32_t level_bins(int level) { return level == 2 ? 1024u : 2048u; }
 // them and the search ends where it would with them. When collect_key is not kNone and there
 // is no list yet, the counted candidates with key >= collect_key become the list.
 template <bool kWithMass>
-__device__ void histogram(const RowView &r, Shared &sh, int level, uint32_t prefix, uint32_t mask,
+__device__ void histogram(const RowView &r, Shared &sh, Team &t, int h, int level, uint32_t prefix, uint32_t mask,
                           uint32_t floor_key, float max_s, uint32_t collect_key) {
     const int shift = level_shift(level);
     const uint32_t bins = level_bins(level);
@@ -260,6 +374,7 @@ __device__ void histogram(const RowView &r, Shared &sh, int level, uint32_t pref
     run.flush(sh);
     __syncthreads();
     if (collect && threadIdx.x == 0) sh.num_cand = sh.fill;  // read after the caller's next barrier
+    if (t.slices > 1) share_histogram<kWithMass>(sh, t, h, bins);
 }
 
 // Inclusive sum over lanes >= this one.
@@ -279,12 +394,12 @@ __device__ uint32_t collect_bound(const Shared &sh, uint32_t prefix) {
 }
 
 // The key of the k-th largest scaled logit (1 <= k < vocab).
-__device__ uint32_t top_k_key(const RowView &r, uint32_t k, Shared &sh) {
+__device__ uint32_t top_k_key(const RowView &r, uint32_t k, Shared &sh, Team &t) {
     uint32_t prefix = 0, mask = 0, collect_key = kNone;
     for (int level = 0; level < 3; level++) {
         const int shift = level_shift(level);
         const uint32_t bins = level_bins(level);
-        histogram<false>(r, sh, level, prefix, mask, 0, 0.0f, collect_key);
+        histogram<false>(r, sh, t, level, level, prefix, mask, 0, 0.0f, collect_key);
         if (threadIdx.x < 32) {  // the bin holding rank k, counting from the top
             const uint32_t per = bins / 32, lo = threadIdx.x * per;
             uint32_t total = 0;
@@ -307,13 +422,14 @@ __device__ uint32_t top_k_key(const RowView &r, uint32_t k, Shared &sh) {
 
 // The key of the smallest kept value v (key >= floor_key) such that the mass of kept tokens
 // above v is below ceil(top_p * Z), Z the kept mass; the max when Z is 0.
-__device__ uint32_t top_p_key(const RowView &r, float max_s, uint32_t floor_key, float top_p, Shared &sh) {
+__device__ uint32_t top_p_key(const RowView &r, float max_s, uint32_t floor_key, float top_p, Shared &sh,
+                            Team &t) {
     uint32_t prefix = 0, mask = 0, collect_key = kNone;
     if (threadIdx.x == 0) sh.base = 0;
     for (int level = 0; level < 3; level++) {
         const int shift = level_shift(level);
         const uint32_t bins = level_bins(level);
-        histogram<true>(r, sh, level, prefix, mask, floor_key, max_s, collect_key);
+        histogram<true>(r, sh, t, 3 + level, level, prefix, mask, floor_key, max_s, collect_key);
         if (threadIdx.x < 32) {
             const uint32_t per = bins / 32, lo = threadIdx.x * per;
             unsigned long long total = 0;
@@ -364,6 +480,7 @@ __device__ void offer(Best &win, float s, uint32_t i, uint64_t key) {
 struct Args {
     const float *logits;  // [rows, vocab]
     uint32_t vocab;
+    uint32_t slices;      // CTAs per row: CTA b draws row b / slices on slice b % slices
     int32_t *tokens;      // [rows]
     float *logprobs;      // [rows] or NULL
     nmk_sample_row rows[NMK_SAMPLE_MAX_ROWS];
@@ -371,14 +488,18 @@ struct Args {
 
 __global__ void __launch_bounds__(kThreads, 1) nmk_sample_kernel(const __grid_constant__ Args a) {
     __shared__ Shared sh;
-    const nmk_sample_row &p = a.rows[blockIdx.x];
-    const float *row = a.logits + static_cast<size_t>(blockIdx.x) * a.vocab;
+    const uint32_t b = blockIdx.x / a.slices;
+    Team t{&g_rows[b], blockIdx.x % a.slices, a.slices, 0u};
+    const nmk_sample_row &p = a.rows[b];
+    const float *row = a.logits + static_cast<size_t>(b) * a.vocab;
+    const uint32_t chunk = ((a.vocab + a.slices - 1) / a.slices + 3) & ~3u;  // whole float4s
+    const uint32_t lo = min(a.vocab, t.slice * chunk), hi = min(a.vocab, lo + chunk);
     if (threadIdx.x == 0) sh.num_cand = kNone;
 
     // Raw max, its lowest id, and sum exp(x - max) (online; hardware exp: the logprob only).
     float m = -kInf, sum = 0.0f;
     uint32_t arg = kNone;
-    for_each_logit(row, a.vocab, [&](float x, uint32_t i) {
+    for_each_logit(row, a.vocab, lo, hi, [&](float x, uint32_t i) {
         x = isnan(x) ? -kInf : x;
         if (x > m) {
             sum = sum * __expf(m - x) + 1.0f, m = x, arg = i;
@@ -387,16 +508,17 @@ __global__ void __launch_bounds__(kThreads, 1) nmk_sample_kernel(const __grid_co
             if (x != -kInf) sum += __expf(x - m);
         }
     });
-    const Softmax raw = block_softmax({{m, arg}, sum}, sh);
+    Softmax raw = block_softmax({{m, arg}, sum}, sh);
+    if (t.slices > 1) raw = share_softmax(raw, sh, t);
     uint32_t token = raw.top.i;
 
     if (p.temperature > 0.0f) {
-        const RowView r{row, a.vocab, __frcp_rn(p.temperature)};
+        const RowView r{row, a.vocab, lo, hi, __frcp_rn(p.temperature)};
         const float max_s = scaled(raw.top.v, r.inv_t);
         float cut = -kInf;  // kept: scaled logit >= cut
         if (p.top_k > 0 && static_cast<uint32_t>(p.top_k) < a.vocab)
-            cut = key_value(top_k_key(r, static_cast<uint32_t>(p.top_k), sh));
-        if (p.top_p < 1.0f) cut = fmaxf(cut, key_value(top_p_key(r, max_s, order_key(cut), p.top_p, sh)));
+            cut = key_value(top_k_key(r, static_cast<uint32_t>(p.top_k), sh, t));
+        if (p.top_p < 1.0f) cut = fmaxf(cut, key_value(top_p_key(r, max_s, order_key(cut), p.top_p, sh, t)));
         if (p.min_p > 0.0f) cut = fmaxf(cut, __fadd_rn(max_s, det_log(p.min_p)));
 
         // The raw argmax is kept; its score is the first bound on the winner's.
@@ -405,15 +527,31 @@ __global__ void __launch_bounds__(kThreads, 1) nmk_sample_kernel(const __grid_co
         for_each_candidate(r, sh, [&](float s, uint32_t i) {
             if (s >= cut) offer(win, s, i, key);
         });
-        token = block_best(win, sh).i;
+        win = block_best(win, sh);
+        if (t.slices > 1) {
+            win = share_best(win, t);
+            clear_histograms(t);  // every CTA of the row has read them: past the last barrier
+        }
+        token = win.i;
     }
-    if (threadIdx.x == 0) {
-        a.tokens[blockIdx.x] = static_cast<int32_t>(token);
+    if (threadIdx.x == 0 && t.slice == 0) {
+        a.tokens[b] = static_cast<int32_t>(token);
         if (a.logprobs) {
             const float x = row[token];
-            a.logprobs[blockIdx.x] = (isnan(x) ? -kInf : x) - raw.top.v - logf(raw.sum);
+            a.logprobs[b] = (isnan(x) ? -kInf : x) - raw.top.v - logf(raw.sum);
         }
     }
+}
+
+// CTAs per row: as many as the SMs hold for all rows at once (so that a row's CTAs, which
+// wait for each other, are all resident), at most kMaxSlices, at least kMinSlice logits each.
+uint32_t slices_for(uint32_t rows, uint32_t vocab) {
+    int device = 0, sms = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
+        throw nmk::Error(NMK_ERR_CUDA, "nmk_sample: cannot read the device's SM count");
+    const uint32_t by_sms = static_cast<uint32_t>(sms) / rows, by_vocab = (vocab + kMinSlice - 1) / kMinSlice;
+    return std::max(1u, std::min({by_sms, by_vocab, kMaxSlices}));
 }
 
 void cuda_check(cudaError_t e, const char *what) {
@@ -431,9 +569,9 @@ NMK_API nmk_status nmk_sample(const float *logits, uint32_t rows, uint32_t vocab
     if (status != NMK_OK) return status;
     return nmk::guard("nmk_sample", [&] {
         using namespace nmk::sample;
-        Args a{logits, vocab, tokens, logprobs, {}};
+        Args a{logits, vocab, slices_for(rows, vocab), tokens, logprobs, {}};
         std::memcpy(a.rows, params, rows * sizeof(nmk_sample_row));
-        nmk_sample_kernel<<<rows, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(a);
+        nmk_sample_kernel<<<rows * a.slices, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(a);
         cuda_check(cudaGetLastError(), "sampling kernel launch");
         return NMK_OK;
     });
