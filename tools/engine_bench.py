@@ -1,6 +1,7 @@
 """Decode speed as a client of the engine sees it: AsyncEngine on the megakernel backend at the
 full North Mini Code geometry (random weights, a full-vocabulary tokenizer), B concurrent
-greedy requests with `--context`-token prompts, tokens counted as generate() yields them:
+requests (greedy, or sampled with --temperature and --top-p) with `--context`-token prompts,
+tokens counted as generate() yields them:
 
     NORTHMK_LIB=BUILD/libnorthmk.so python tools/engine_bench.py [--batch 1 8] [--context 8192]
         [--steps 256] [--out DIR]                                 (a CUDA build, an sm_90 GPU)
@@ -12,7 +13,8 @@ them has yielded --steps more. tok/s is every token yielded inside the window ov
 B rows decode for all of it; the rows' KV then holds the prompt plus what they generated
 (mean_keys). The requests are aborted after the window. This is `python -m northmk.bench
 decode`'s step, plus everything the serving loop does around it (the native loop's turn,
-the scheduler's step function, the GPU sampler, detokenizing and the outputs' queues).
+the scheduler's step function, the GPU sampler where a row samples, detokenizing and the
+outputs' queues).
 With --both the same requests run with EngineConfig.decode_ahead on, then off (the scheduler
 reads it at every step). With --ragged row i's prompt is i * 64 / B tokens shorter than
 --context, so the rows start their KV pages at different steps (the rows' steps that start one
@@ -123,7 +125,8 @@ class StepClock:
                        "max_us": 1e6 * max((d for d, _ in gcs), default=0.0), "gen2": sum(g == 2 for _, g in gcs)}}
 
 
-async def one_batch(engine: AsyncEngine, prompts: list[list[int]], steps: int, tag: str) -> dict:
+async def one_batch(engine: AsyncEngine, prompts: list[list[int]], steps: int, tag: str,
+                    temperature: float = 0.0, top_p: float = 1.0) -> dict:
     batch, context = len(prompts), sum(map(len, prompts)) / len(prompts)  # the prompts' mean length
     counts = [0] * batch  # tokens yielded so far, per request
     since_open = [0] * batch  # ... since the window opened
@@ -131,7 +134,8 @@ async def one_batch(engine: AsyncEngine, prompts: list[list[int]], steps: int, t
     done = asyncio.Event()
 
     async def run(i: int) -> None:
-        params = SamplingParams(max_tokens=engine.max_model_len - len(prompts[i]), temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=engine.max_model_len - len(prompts[i]), temperature=temperature,
+                                top_p=top_p, seed=i, ignore_eos=True)
         gen = engine.generate(GenerationRequest(f"{tag}-{i}", prompts[i], params))
         try:
             async for out in gen:
@@ -203,8 +207,9 @@ async def main(args) -> dict:
             first_window = clock.summary(*first.pop("window"))
             for ahead in [True, False] if args.both else [not args.no_ahead]:
                 engine.config.decode_ahead = ahead  # the scheduler reads it at every step
-                row = await one_batch(engine, prompts, args.steps, f"b{batch}-{ahead}")
+                row = await one_batch(engine, prompts, args.steps, f"b{batch}-{ahead}", args.temperature, args.top_p)
                 row["decode_ahead"], row["ragged"] = ahead, args.ragged
+                row["temperature"], row["top_p"] = args.temperature, args.top_p
                 row["loop_thread"] = clock.summary(*row.pop("window"))
                 row["first_window_period_us"] = first_window.get("period_us")
                 # Speed of light at the rows' mean KV over the window, under uniform routing (an
@@ -214,7 +219,8 @@ async def main(args) -> dict:
                     row["sol_fraction_uniform"] = bytes_ / bandwidth * 1e3 / row["ms_per_step"]
                 result["rows"].append(row)
                 out.write_text(json.dumps(result, indent=2))
-                print(f"engine batch {batch}, decode_ahead {ahead}: {row['tok_s']:.1f} tok/s, "
+                sampled = f", temperature {args.temperature}, top_p {args.top_p}" if args.temperature > 0 else ""
+                print(f"engine batch {batch}, decode_ahead {ahead}{sampled}: {row['tok_s']:.1f} tok/s, "
                       f"{row['ms_per_step']:.3f} ms/step ({row['window_tokens']} tokens in {row['window_s']:.2f} s); "
                       f"scheduler {row['scheduler']}; "
                       f"loop thread medians (us): {row['loop_thread']}", flush=True)
@@ -236,5 +242,7 @@ if __name__ == "__main__":
     p.add_argument("--no-ahead", action="store_true", help="EngineConfig.decode_ahead off")
     p.add_argument("--both", action="store_true", help="decode_ahead on, then off, on the same weights")
     p.add_argument("--ragged", action="store_true", help="row i's prompt i * 64 / B tokens shorter than --context")
+    p.add_argument("--temperature", type=float, default=0.0, help="the requests' (0: greedy); request i has seed i")
+    p.add_argument("--top-p", type=float, default=1.0)
     a = p.parse_args()
     asyncio.run(main(a))
