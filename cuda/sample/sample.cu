@@ -114,9 +114,9 @@ __device__ uint64_t token_mass(float d) {
 struct Shared {
     uint32_t count[kBins];
     uint32_t mass_lo[kBins], mass_hi[kBins];  // 64-bit masses as two 32-bit halves (native atomics)
-    float cand_s[kCandidates];        // the candidate list: scaled logits and their ids
-    uint32_t cand_i[kCandidates];
-    uint32_t num_cand;                // kNone: the candidates are all the row's logits
+    float cand_s[kCandidates];        // the candidate list of this CTA's slice: scaled logits, ids
+    uint32_t cand_i[kCandidates];     // (a level that bounds the row's list to kCandidates bounds each slice's)
+    uint32_t num_cand;                // kNone: the candidates are all the slice's logits
     uint32_t fill;                    // list entries written by the current pass
     float red_v[kWarps], red_sum[kWarps];
     uint32_t red_i[kWarps];
@@ -124,8 +124,8 @@ struct Shared {
     unsigned long long base, limit;     // top_p: mass above the current prefix, ceil(top_p * Z)
 };
 
-// Calls f(x, i) for every logit of the row, i ascending per thread. kLoads 16-byte loads are
-// in flight per thread: a single CTA needs that many to draw on L2's bandwidth.
+// Calls f(x, i) for every logit of the slice [lo, hi) of the row, i ascending per thread. kLoads
+// 16-byte loads are in flight per thread: a CTA needs that many to draw on L2's bandwidth.
 constexpr uint32_t kLoads = 4;
 template <class F>
 __device__ __forceinline__ void for_each_logit(const float *row, uint32_t vocab, uint32_t lo, uint32_t hi, F &&f) {
