@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # THE device script: install carried wheels, build libnorthmk with CUDA, then each stage
 # that is switched on; logs under $OUT, a short table last.
-#   SANITIZE=1  compute-sanitizer memcheck + racecheck on one step of a small 2-layer model, and
-#               racecheck on tools/racecheck_bulk_probe.cu (the bulk-copy handshakes alone)
+#   SANITIZE=1  compute-sanitizer memcheck + racecheck on one step of a small 2-layer model and on
+#               sliced nmk_sample draws (tools/sample_check.py), and racecheck on
+#               tools/racecheck_bulk_probe.cu (the bulk-copy handshakes alone)
 #   SANITIZE_FULL=1  memcheck and racecheck (SANITIZE_FULL_TOOLS) on one step of a 2-layer model of
 #               the full geometry (North Mini Code's widths, 128 experts), the megakernel alone
 #               instrumented: the reference's cuBLAS kernels, which racecheck flags on their own,
@@ -70,6 +71,11 @@ if [ "$SANITIZE" = 1 ]; then
       python3 tools/mk_diagnose.py --small --layers 2 --contexts 1 200 >"$OUT/sanitize-$tool.log" 2>&1
     rc=$?; san_rc="$san_rc $tool=$rc"
     echo "$tool rc=$rc in $(( $(date +%s) - t0 ))s"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Invalid|hazard|first divergence|^row" "$OUT/sanitize-$tool.log" | head -5
+    # nmk_sample: a row's slices meeting at barriers in global scratch (tools/sample_check.py)
+    timeout 60 compute-sanitizer --tool $tool --error-exitcode 9 --print-limit 20 \
+      python3 tools/sample_check.py >"$OUT/sanitize-sample-$tool.log" 2>&1
+    rc=$?; san_rc="$san_rc sample-$tool=$rc"
+    echo "sample $tool rc=$rc"; grep -E "SUMMARY|Invalid|hazard|differ" "$OUT/sanitize-sample-$tool.log" | head -4
   done
 fi
 if [ "$SANITIZE_FULL" = 1 ]; then
