@@ -457,6 +457,7 @@ __device__ uint32_t top_p_key(const RowView &r, float max_s, uint32_t floor_key,
             }
             uint32_t lowest = found;
             for (int o = 16; o; o >>= 1) lowest = min(lowest, __shfl_xor_sync(~0u, lowest, o));
+            __syncwarp();  // every lane has read sh.base (above) before one of them rewrites it
             if (found == lowest && found != kNone) sh.digit = found, sh.base = at, sh.at_or_above = found_held;
         }
         __syncthreads();
