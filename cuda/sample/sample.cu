@@ -6,9 +6,17 @@
 //
 // Passes over a row (each a read of V floats, from L2 right after the megakernel):
 //   raw max, argmax and sum exp (greedy token, logprob)                          always
+//     and in the same pass the Gumbel-max over the whole row                     top_p, no top_k
+//   the mass above that winner against ceil(top_p * Z); kept (and by min_p),
+//     it is the token and the passes below do not run                            top_p, no top_k
 //   radix select of the top_k threshold: 3 passes (digits of 11, 11, 10 bits)    0 < top_k < V
 //   radix search of the top_p threshold over fixed-point masses: 3 passes         top_p < 1
 //   Gumbel-max over the kept tokens, skipping those that cannot win              sampled rows
+// The whole row's winner, when kept, is the kept tokens' winner (every kept token is among
+// the row's and none scores above it), so both ways draw the same token; top_p drops it in
+// about 1 - top_p of the draws. The other rules keep the radix searches: a temperature-only
+// draw folded into the first pass measured no faster, and top_k's check (a counting pass)
+// gained on peaked rows but lost more on flat ones, whose winner top_k mostly drops.
 // Once a radix level bounds the kept tokens from below and at most kCandidates lie above
 // that bound, the next pass copies them to shared memory and later passes read only them.
 // Everything that decides the token uses correctly rounded fp32 + - * / only (the __f*_rn
@@ -120,6 +128,8 @@ struct Shared {
     uint32_t fill;                    // list entries written by the current pass
     float red_v[kWarps], red_sum[kWarps];
     uint32_t red_i[kWarps];
+    unsigned long long red_mass[kWarps], red_above[kWarps];
+    uint32_t head_kept;                 // nucleus_keeps' answer
     uint32_t digit, rank, at_or_above;  // radix level: chosen bin, rank left in it, tokens in and above it
     unsigned long long base, limit;     // top_p: mass above the current prefix, ceil(top_p * Z)
 };
@@ -244,6 +254,8 @@ struct RowScratch {
     uint32_t arrived, generation;  // row_sync: CTAs at the barrier, barriers passed
     float soft_v[kMaxSlices], soft_sum[kMaxSlices], best_v[kMaxSlices];
     uint32_t soft_i[kMaxSlices], best_i[kMaxSlices];
+    // nucleus_keeps, per slice: top_p's mass, and that above the whole row's winner
+    unsigned long long head_mass[kMaxSlices], head_above[kMaxSlices];
     uint32_t count[kHistograms][kBins];
     unsigned long long mass[3][kBins];  // top_p's levels
 };
@@ -317,18 +329,33 @@ __device__ void clear_histograms(const Team &t) {
     }
 }
 
-// The row's max, argmax and sum exp from each CTA's, merged in slice order.
-__device__ Softmax share_softmax(Softmax x, Shared &sh, const Team &t) {
-    if (threadIdx.x == 0) t.g->soft_v[t.slice] = x.top.v, t.g->soft_i[t.slice] = x.top.i, t.g->soft_sum[t.slice] = x.sum;
+// The first pass's results: the raw max, its lowest id and sum exp, and the Gumbel winner of
+// the tokens it scored (none: {-inf, kNone}).
+struct FirstPass {
+    Softmax raw;
+    Best any;
+};
+
+// The row's FirstPass from each CTA's, merged in slice order (the winner only `with_any`).
+__device__ FirstPass share_first_pass(FirstPass x, bool with_any, Shared &sh, const Team &t) {
+    if (threadIdx.x == 0) {
+        t.g->soft_v[t.slice] = x.raw.top.v, t.g->soft_i[t.slice] = x.raw.top.i, t.g->soft_sum[t.slice] = x.raw.sum;
+        if (with_any) t.g->best_v[t.slice] = x.any.v, t.g->best_i[t.slice] = x.any.i;
+    }
     row_sync(t);
     if (threadIdx.x == 0) {
         Softmax all{{-kInf, kNone}, 0.0f};
         for (uint32_t c = 0; c < t.slices; c++)
             all = merge(all, {{__ldcg(&t.g->soft_v[c]), __ldcg(&t.g->soft_i[c])}, __ldcg(&t.g->soft_sum[c])});
         sh.red_v[0] = all.top.v, sh.red_i[0] = all.top.i, sh.red_sum[0] = all.sum;
+        if (with_any) {
+            for (uint32_t c = 0; c < t.slices; c++) x.any = better(x.any, {__ldcg(&t.g->best_v[c]), __ldcg(&t.g->best_i[c])});
+            sh.red_v[1] = x.any.v, sh.red_i[1] = x.any.i;
+        }
     }
     __syncthreads();
-    x = {{sh.red_v[0], sh.red_i[0]}, sh.red_sum[0]};
+    x.raw = {{sh.red_v[0], sh.red_i[0]}, sh.red_sum[0]};
+    if (with_any) x.any = {sh.red_v[1], sh.red_i[1]};
     __syncthreads();
     return x;
 }
@@ -420,6 +447,16 @@ __device__ uint32_t top_k_key(const RowView &r, uint32_t k, Shared &sh, Team &t)
     return prefix;
 }
 
+// ceil(top_p * z), exactly: top_p = mant * 2^-shr.
+__device__ unsigned long long nucleus_limit(unsigned long long z, float top_p) {
+    const uint32_t bits = __float_as_uint(top_p), biased = bits >> 23;
+    const uint32_t mant = biased ? (bits & 0x007fffffu) | 0x00800000u : bits & 0x007fffffu;
+    const int shr = biased ? 150 - static_cast<int>(biased) : 149;
+    const unsigned __int128 prod = static_cast<unsigned __int128>(z) * mant;
+    return shr >= 100 ? (prod != 0)
+                      : static_cast<unsigned long long>((prod + ((static_cast<unsigned __int128>(1) << shr) - 1)) >> shr);
+}
+
 // The key of the smallest kept value v (key >= floor_key) such that the mass of kept tokens
 // above v is below ceil(top_p * Z), Z the kept mass; the max when Z is 0.
 __device__ uint32_t top_p_key(const RowView &r, float max_s, uint32_t floor_key, float top_p, Shared &sh,
@@ -436,16 +473,9 @@ __device__ uint32_t top_p_key(const RowView &r, float max_s, uint32_t floor_key,
             uint32_t tokens = 0;
             for (uint32_t j = 0; j < per; j++) total += bin_mass(sh, lo + j), tokens += sh.count[lo + j];
             const unsigned long long incl = suffix_sum(total);
-            if (level == 0) {  // limit = ceil(top_p * Z), exactly: top_p = mant * 2^-shr
+            if (level == 0) {
                 const unsigned long long z = __shfl_sync(~0u, incl, 0);
-                const uint32_t bits = __float_as_uint(top_p), biased = bits >> 23;
-                const uint32_t mant = biased ? (bits & 0x007fffffu) | 0x00800000u : bits & 0x007fffffu;
-                const int shr = biased ? 150 - static_cast<int>(biased) : 149;
-                const unsigned __int128 prod = static_cast<unsigned __int128>(z) * mant;
-                if (threadIdx.x == 0)
-                    sh.limit = shr >= 100 ? (prod != 0)
-                                          : static_cast<unsigned long long>(
-                                                (prod + ((static_cast<unsigned __int128>(1) << shr) - 1)) >> shr);
+                if (threadIdx.x == 0) sh.limit = nucleus_limit(z, top_p);
             }
             __syncwarp();
             unsigned long long above = sh.base + (incl - total), at = 0;
@@ -478,6 +508,62 @@ __device__ void offer(Best &win, float s, uint32_t i, uint64_t key) {
     win = better(win, {__fadd_rn(s, gumbel(u)), i});
 }
 
+// Whether top_p keeps the token of scaled logit s_w (no top_k: top_p's mass would then be that
+// of top_k's survivors): less than ceil(top_p * Z) of the row's top_p mass Z lies above it, Z >
+// 0 (top_p_key keeps the max alone when Z is 0). One pass over the slice and, for a sliced
+// row, one barrier.
+__device__ bool nucleus_keeps(const RowView &r, float max_s, float s_w, float top_p, Shared &sh, const Team &t) {
+    const uint32_t kw = order_key(s_w);
+    unsigned long long mass = 0, above = 0;
+    for_each_logit(r.logits, r.vocab, r.lo, r.hi, [&](float x, uint32_t) {
+        const float s = scaled(x, r.inv_t);
+        const unsigned long long q = token_mass(__fsub_rn(s, max_s));
+        mass += q, above += order_key(s) > kw ? q : 0;
+    });
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int o = 16; o; o >>= 1) mass += __shfl_xor_sync(~0u, mass, o), above += __shfl_xor_sync(~0u, above, o);
+    if (lane == 0) sh.red_mass[warp] = mass, sh.red_above[warp] = above;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        mass = 0, above = 0;
+        for (int w = 0; w < kWarps; w++) mass += sh.red_mass[w], above += sh.red_above[w];
+        if (t.slices > 1) t.g->head_mass[t.slice] = mass, t.g->head_above[t.slice] = above;
+    }
+    if (t.slices > 1) {
+        row_sync(t);
+        if (threadIdx.x == 0) {
+            mass = 0, above = 0;  // integers: exact in any order
+            for (uint32_t c = 0; c < t.slices; c++) mass += __ldcg(&t.g->head_mass[c]), above += __ldcg(&t.g->head_above[c]);
+        }
+    }
+    if (threadIdx.x == 0) sh.head_kept = mass > 0 && above < nucleus_limit(mass, top_p);
+    __syncthreads();
+    const bool kept = sh.head_kept != 0;
+    __syncthreads();  // every thread has read it (and thread 0 the warps' sums) before they are reused
+    return kept;
+}
+
+// The first pass over this CTA's slice: the raw max, its lowest id and sum exp(x - max)
+// (online; hardware exp: the logprob only), and with kWhole the Gumbel winner of every token.
+template <bool kWhole>
+__device__ FirstPass first_pass(const RowView &r, uint64_t key, Shared &sh) {
+    float m = -kInf, sum = 0.0f;
+    uint32_t arg = kNone;
+    Best any{-kInf, kNone};
+    for_each_logit(r.logits, r.vocab, r.lo, r.hi, [&](float x, uint32_t i) {
+        if (kWhole) offer(any, scaled(x, r.inv_t), i, key);
+        x = isnan(x) ? -kInf : x;
+        if (x > m) {
+            sum = sum * __expf(m - x) + 1.0f, m = x, arg = i;
+        } else {
+            if (arg == kNone) arg = i;
+            if (x != -kInf) sum += __expf(x - m);
+        }
+    });
+    if (kWhole) any = block_best(any, sh);
+    return {block_softmax({{m, arg}, sum}, sh), any};
+}
+
 struct Args {
     const float *logits;  // [rows, vocab]
     uint32_t vocab;
@@ -487,6 +573,10 @@ struct Args {
     nmk_sample_row rows[NMK_SAMPLE_MAX_ROWS];
 };
 
+// kNucleus: the whole row's winner for top_p rows without top_k (the host launches it when the
+// draw has such a row). Without it the kernel has none of that code: the other draws, which
+// would not use it, ran ~3.5 us slower in a kernel that had it (benchmarks/NOTES.md).
+template <bool kNucleus>
 __global__ void __launch_bounds__(kThreads, 1) nmk_sample_kernel(const __grid_constant__ Args a) {
     __shared__ Shared sh;
     const uint32_t b = blockIdx.x / a.slices;
@@ -497,43 +587,45 @@ __global__ void __launch_bounds__(kThreads, 1) nmk_sample_kernel(const __grid_co
     const uint32_t lo = min(a.vocab, t.slice * chunk), hi = min(a.vocab, lo + chunk);
     if (threadIdx.x == 0) sh.num_cand = kNone;
 
-    // Raw max, its lowest id, and sum exp(x - max) (online; hardware exp: the logprob only).
-    float m = -kInf, sum = 0.0f;
-    uint32_t arg = kNone;
-    for_each_logit(row, a.vocab, lo, hi, [&](float x, uint32_t i) {
-        x = isnan(x) ? -kInf : x;
-        if (x > m) {
-            sum = sum * __expf(m - x) + 1.0f, m = x, arg = i;
-        } else {
-            if (arg == kNone) arg = i;
-            if (x != -kInf) sum += __expf(x - m);
-        }
-    });
-    Softmax raw = block_softmax({{m, arg}, sum}, sh);
-    if (t.slices > 1) raw = share_softmax(raw, sh, t);
+    const bool sampled = p.temperature > 0.0f;
+    const RowView r{row, a.vocab, lo, hi, sampled ? __frcp_rn(p.temperature) : 1.0f};
+    const uint32_t top_k = p.top_k > 0 && static_cast<uint32_t>(p.top_k) < a.vocab ? p.top_k : 0;
+    const uint64_t key = splitmix64(p.seed ^ splitmix64(p.counter));
+    // The whole row's Gumbel winner, drawn in the first pass: top_p rows without top_k.
+    const bool whole = kNucleus && sampled && p.top_p < 1.0f && !top_k;
+    FirstPass first = whole ? first_pass<true>(r, key, sh) : first_pass<false>(r, key, sh);
+    if (t.slices > 1) first = share_first_pass(first, whole, sh, t);
+    const Softmax raw = first.raw;
+    const Best any = first.any;
     uint32_t token = raw.top.i;
 
-    if (p.temperature > 0.0f) {
-        const RowView r{row, a.vocab, lo, hi, __frcp_rn(p.temperature)};
+    if (sampled) {
         const float max_s = scaled(raw.top.v, r.inv_t);
-        float cut = -kInf;  // kept: scaled logit >= cut
-        if (p.top_k > 0 && static_cast<uint32_t>(p.top_k) < a.vocab)
-            cut = key_value(top_k_key(r, static_cast<uint32_t>(p.top_k), sh, t));
-        if (p.top_p < 1.0f) cut = fmaxf(cut, key_value(top_p_key(r, max_s, order_key(cut), p.top_p, sh, t)));
-        if (p.min_p > 0.0f) cut = fmaxf(cut, __fadd_rn(max_s, det_log(p.min_p)));
-
-        // The raw argmax is kept; its score is the first bound on the winner's.
-        const uint64_t key = splitmix64(p.seed ^ splitmix64(p.counter));
-        Best win{__fadd_rn(max_s, gumbel(uniform(key, token))), token};
-        for_each_candidate(r, sh, [&](float s, uint32_t i) {
-            if (s >= cut) offer(win, s, i, key);
-        });
-        win = block_best(win, sh);
-        if (t.slices > 1) {
-            win = share_best(win, t);
-            clear_histograms(t);  // every CTA of the row has read them: past the last barrier
+        const float min_p_cut = p.min_p > 0.0f ? __fadd_rn(max_s, det_log(p.min_p)) : -kInf;
+        bool drawn = false;
+        if (whole) {  // the winner's scaled logit against min_p and top_p
+            const float s_w = scaled(__ldcg(row + any.i), r.inv_t);
+            drawn = s_w >= min_p_cut && nucleus_keeps(r, max_s, s_w, p.top_p, sh, t);
+            token = any.i;
         }
-        token = win.i;
+        if (!drawn) {
+            float cut = -kInf;  // kept: scaled logit >= cut
+            if (top_k) cut = key_value(top_k_key(r, top_k, sh, t));
+            if (p.top_p < 1.0f) cut = fmaxf(cut, key_value(top_p_key(r, max_s, order_key(cut), p.top_p, sh, t)));
+            cut = fmaxf(cut, min_p_cut);
+
+            // The raw argmax is kept; its score is the first bound on the winner's.
+            Best win{__fadd_rn(max_s, gumbel(uniform(key, raw.top.i))), raw.top.i};
+            for_each_candidate(r, sh, [&](float s, uint32_t i) {
+                if (s >= cut) offer(win, s, i, key);
+            });
+            win = block_best(win, sh);
+            if (t.slices > 1) {
+                win = share_best(win, t);
+                clear_histograms(t);  // every CTA of the row has read them: past the last barrier
+            }
+            token = win.i;
+        }
     }
     if (threadIdx.x == 0 && t.slice == 0) {
         a.tokens[b] = static_cast<int32_t>(token);
@@ -572,7 +664,11 @@ NMK_API nmk_status nmk_sample(const float *logits, uint32_t rows, uint32_t vocab
         using namespace nmk::sample;
         Args a{logits, vocab, slices_for(rows, vocab), tokens, logprobs, {}};
         std::memcpy(a.rows, params, rows * sizeof(nmk_sample_row));
-        nmk_sample_kernel<<<rows * a.slices, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(a);
+        const bool nucleus = std::any_of(params, params + rows, [&](const nmk_sample_row &p) {
+            return p.temperature > 0.0f && p.top_p < 1.0f && (p.top_k <= 0 || static_cast<uint32_t>(p.top_k) >= vocab);
+        });
+        auto kernel = nucleus ? nmk_sample_kernel<true> : nmk_sample_kernel<false>;
+        kernel<<<rows * a.slices, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(a);
         cuda_check(cudaGetLastError(), "sampling kernel launch");
         return NMK_OK;
     });

@@ -81,6 +81,23 @@ def test_many_draws_of_one_sequence(sampler):
             assert len(set(tokens.tolist())) > 1
 
 
+@pytest.mark.parametrize("base", [DrawParams(1.0, 16, 1.0, 0.0, 8, 0), DrawParams(1.0, 0, 0.5, 0.0, 8, 0),
+                                  DrawParams(1.0, 0, 1.0, 0.1, 8, 0), MIXED[3]])
+def test_draws_whose_whole_row_winner_a_rule_drops(sampler, base):
+    """The kernel draws the whole row's Gumbel winner in its first pass and keeps it when no rule
+    drops it; else the radix searches run. Draws of one row with 64 counters take both ways (the
+    twin says which: the same draw without rules), and every token is the twin's."""
+    gen = torch.Generator().manual_seed(11)  # on the CPU: the split of the draws is known off the GPU
+    x = 2 * torch.randn(262144, generator=gen)
+    x[torch.randint(0, 262144, (32,), generator=gen)] += 14
+    logits = x.expand(MAX_ROWS, -1).contiguous().cuda()
+    params = [dataclasses.replace(base, counter=c) for c in range(MAX_ROWS)]
+    tokens = assert_same(sampler, logits, params)
+    free = reference_draw(logits, [dataclasses.replace(q, top_k=0, top_p=1.0, min_p=0.0) for q in params])[0]
+    dropped = sum(int(t) != int(f) for t, f in zip(tokens.tolist(), free.tolist()))
+    assert 0 < dropped < MAX_ROWS, dropped
+
+
 @pytest.mark.parametrize("vocab", [1, 2, 3, 5, 1024, 1027])
 def test_tiny_and_ragged_vocabularies(sampler, vocab):
     for kind in ("normal", "ties"):
