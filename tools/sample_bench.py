@@ -13,6 +13,7 @@ import sys
 import torch
 
 from northmk.engine.gpu_sampling import DrawParams, GpuSampler
+from northmk.native.sample import MAX_ROWS
 from tests.gpu.test_sampling import MIXED, logits_of, time_draw  # the GPU tests' rows, logits and timer
 
 VOCAB = 262144
@@ -32,11 +33,11 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--out", help="write the figures as JSON here")
     args = ap.parse_args(argv)
+    if any(not 1 <= r <= MAX_ROWS for r in args.rows) or args.repeats < 1:
+        print(f"tools/sample_bench.py: error: want --rows in [1, {MAX_ROWS}] and --repeats >= 1", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("tools/sample_bench.py: error: nmk_sample needs a CUDA device (torch sees none)", file=sys.stderr)
-        return 2
-    if any(not 1 <= r <= 64 for r in args.rows) or args.repeats < 1:
-        print("tools/sample_bench.py: error: --rows in [1, 64], --repeats >= 1", file=sys.stderr)
         return 2
     sampler, results = GpuSampler("cuda"), []
     for kind in ("peaked", "normal"):
