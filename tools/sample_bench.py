@@ -1,7 +1,7 @@
 """Microseconds per nmk_sample draw on the GPU, per rule and row count, from replays of a
 captured draw (no launch overhead), at the full vocabulary:
 
-    PYTHONPATH=. NORTHMK_LIB=BUILD/libnorthmk.so python tools/sample_bench.py [--rows 1 8] [--out FILE.json]
+    NORTHMK_LIB=BUILD/libnorthmk.so python tools/sample_bench.py [--rows 1 8] [--out FILE.json]
 
 Logits "peaked" (a few dozen tokens far above the rest, like a model's) and "normal" (flat:
 top_p's radix searches run most often there). Each row of a case has its own seed."""
@@ -9,12 +9,15 @@ import argparse
 import dataclasses
 import json
 import sys
+from pathlib import Path
 
 import torch
 
-from northmk.engine.gpu_sampling import DrawParams, GpuSampler
-from northmk.native.sample import MAX_ROWS
-from tests.gpu.test_sampling import MIXED, logits_of, time_draw  # the GPU tests' rows, logits and timer
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the GPU tests' module, from a checkout
+
+from northmk.engine.gpu_sampling import DrawParams, GpuSampler  # noqa: E402
+from northmk.native.sample import MAX_ROWS  # noqa: E402
+from tests.gpu.test_sampling import MIXED, logits_of, time_draw  # noqa: E402 (the GPU tests' rows, logits and timer)
 
 VOCAB = 262144
 CASES = {

@@ -2,15 +2,18 @@
 vocab that the kernel splits into slices (their CTAs meet at barriers in global scratch), each
 twice, so the second launch finds the scratch the first one cleared, against the CPU twin:
 
-    PYTHONPATH=. NORTHMK_LIB=BUILD/libnorthmk.so compute-sanitizer --tool racecheck python tools/sample_check.py
+    NORTHMK_LIB=BUILD/libnorthmk.so compute-sanitizer --tool racecheck python tools/sample_check.py
 
 Exits 1 when a token differs from reference_draw's."""
 import sys
+from pathlib import Path
 
 import torch
 
-from northmk.engine.gpu_sampling import GpuSampler, reference_draw
-from tests.gpu.test_sampling import MIXED, logits_of  # the GPU tests' rows and logits
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the GPU tests' module, from a checkout
+
+from northmk.engine.gpu_sampling import GpuSampler, reference_draw  # noqa: E402
+from tests.gpu.test_sampling import MIXED, logits_of  # noqa: E402 (the GPU tests' rows and logits)
 
 
 def main() -> int:
