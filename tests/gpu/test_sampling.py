@@ -84,9 +84,10 @@ def test_many_draws_of_one_sequence(sampler):
 @pytest.mark.parametrize("base", [DrawParams(1.0, 16, 1.0, 0.0, 8, 0), DrawParams(1.0, 0, 0.5, 0.0, 8, 0),
                                   DrawParams(1.0, 0, 1.0, 0.1, 8, 0), MIXED[3]])
 def test_draws_whose_whole_row_winner_a_rule_drops(sampler, base):
-    """The kernel draws the whole row's Gumbel winner in its first pass and keeps it when no rule
-    drops it; else the radix searches run. Draws of one row with 64 counters take both ways (the
-    twin says which: the same draw without rules), and every token is the twin's."""
+    """64 draws of one row per rule, which drops the whole row's Gumbel winner in some of them and
+    not in others (the twin says which: the same draw without rules); every token is the twin's.
+    A top_p row's kernel keeps that winner when top_p does and runs the radix searches when it
+    does not, so both of its ways run here."""
     gen = torch.Generator().manual_seed(11)  # on the CPU: the split of the draws is known off the GPU
     x = 2 * torch.randn(262144, generator=gen)
     x[torch.randint(0, 262144, (32,), generator=gen)] += 14
