@@ -573,6 +573,12 @@ struct Args {
     nmk_sample_row rows[NMK_SAMPLE_MAX_ROWS];
 };
 
+// A row the kernel draws the whole-row Gumbel winner for: sampled, with top_p and without
+// top_k (the kernel's rule, and the host's for which kernel to launch).
+__host__ __device__ inline bool whole_row_winner(const nmk_sample_row &p, uint32_t vocab) {
+    return p.temperature > 0.0f && p.top_p < 1.0f && (p.top_k <= 0 || static_cast<uint32_t>(p.top_k) >= vocab);
+}
+
 // kNucleus: the whole row's winner for top_p rows without top_k (the host launches it when the
 // draw has such a row). Without it the kernel has none of that code: the other draws, which
 // would not use it, ran ~3.5 us slower in a kernel that had it (benchmarks/NOTES.md).
@@ -591,8 +597,8 @@ __global__ void __launch_bounds__(kThreads, 1) nmk_sample_kernel(const __grid_co
     const RowView r{row, a.vocab, lo, hi, sampled ? __frcp_rn(p.temperature) : 1.0f};
     const uint32_t top_k = p.top_k > 0 && static_cast<uint32_t>(p.top_k) < a.vocab ? p.top_k : 0;
     const uint64_t key = splitmix64(p.seed ^ splitmix64(p.counter));
-    // The whole row's Gumbel winner, drawn in the first pass: top_p rows without top_k.
-    const bool whole = kNucleus && sampled && p.top_p < 1.0f && !top_k;
+    // The whole row's Gumbel winner, drawn in the first pass.
+    const bool whole = kNucleus && whole_row_winner(p, a.vocab);
     FirstPass first = whole ? first_pass<true>(r, key, sh) : first_pass<false>(r, key, sh);
     if (t.slices > 1) first = share_first_pass(first, whole, sh, t);
     const Softmax raw = first.raw;
@@ -664,9 +670,8 @@ NMK_API nmk_status nmk_sample(const float *logits, uint32_t rows, uint32_t vocab
         using namespace nmk::sample;
         Args a{logits, vocab, slices_for(rows, vocab), tokens, logprobs, {}};
         std::memcpy(a.rows, params, rows * sizeof(nmk_sample_row));
-        const bool nucleus = std::any_of(params, params + rows, [&](const nmk_sample_row &p) {
-            return p.temperature > 0.0f && p.top_p < 1.0f && (p.top_k <= 0 || static_cast<uint32_t>(p.top_k) >= vocab);
-        });
+        const bool nucleus =
+            std::any_of(params, params + rows, [&](const nmk_sample_row &p) { return whole_row_winner(p, vocab); });
         auto kernel = nucleus ? nmk_sample_kernel<true> : nmk_sample_kernel<false>;
         kernel<<<rows * a.slices, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(a);
         cuda_check(cudaGetLastError(), "sampling kernel launch");
