@@ -71,16 +71,24 @@ int splits_for(int keys, int page_size, int pages_per_split) {
     return std::clamp(ceil_div(pages, pages_per_split), 1, static_cast<int>(NMK_MK_MAX_SPLITS));
 }
 
-// Pages per attention split so that one layer's splits of all rows about fill half the SMs
-// (the other half streams expert weights beside them: attention alone draws ~3 TB/s from
-// DRAM at batch 8), and at least kMinSplitPages: a split's fixed work (its first page's
-// round trips, queries, partials, ticket, signal: ~6.5 us at batch 1) is worth ~9 pages of
-// its loop (0.74 us a page), and at batch 1 the layer is bound by its SMs' summed time, not
-// by attention's chain (12 pages: 1.2% shorter layers than 8; benchmarks/NOTES.md, session 14).
-int pages_per_split(const Geometry &g, int num_sms, const std::vector<int> &lens, int layer) {
-    int work = 0;
+// Pages per attention split. One layer's splits of all rows take a share of the SMs in
+// proportion to their bytes against the MLP weights that stream beside them (the keys and
+// values of every row's live pages against the layer's expert slots or dense MLP), and at
+// least half of them: up to ~32K keys a row the experts outweigh attention and the splits
+// fill half the SMs (attention alone draws ~3 TB/s from DRAM at batch 8); at longer contexts
+// attention's share grows, so that the splits end about when the experts do. And at least
+// kMinSplitPages: a split's fixed work (its first page's round trips, queries, partials,
+// ticket, signal: ~6.5 us at batch 1) is worth ~9 pages of its loop (0.74 us a page), and at
+// batch 1 the layer is bound by its SMs' summed time, not by attention's chain (12 pages: 1.2%
+// shorter layers than 8; benchmarks/NOTES.md, session 14).
+int pages_per_split(const Geometry &g, const nmk_plan &p, int num_sms, const std::vector<int> &lens, int layer) {
+    int work = 0;  // (page, kv head) pairs
     for (int len : lens) work += ceil_div(keys_seen(g, layer, len), g.page_size) * g.num_kv_heads;
-    return std::max(kMinSplitPages, ceil_div(work, std::max(1, num_sms / 2)));
+    const double kv_bytes = 2.0 * work * g.page_size * g.head_dim * sizeof(uint16_t);
+    const int inter = g.dense[layer] ? g.dense_inter : g.moe_inter;
+    const double mlp_bytes = 3.0 * mlp_slots(g, p, layer) * g.hidden * inter * sizeof(uint16_t);
+    const int share = std::max(num_sms / 2, static_cast<int>(num_sms * kv_bytes / (kv_bytes + mlp_bytes)));
+    return std::max(kMinSplitPages, ceil_div(work, std::max(1, share)));
 }
 
 // Adds layer l's tasks: NORM, QKV and ROUTER tiles to the lists, then DRAIN of the layer's
@@ -111,7 +119,7 @@ int add_layer(Builder &b, int l, int prev_done, const std::vector<int> &lens, in
             gate_up.push_back(b.task(NMK_OP_GATE_UP, l, x, y, 0, routed, slot_ready[y]));
     }
     std::vector<nmk_task> splits;
-    int pps = pages_per_split(g, num_sms, lens, l);
+    int pps = pages_per_split(g, p, num_sms, lens, l);
     for (int r = 0; r < p.batch; r++) {
         int n = splits_for(keys_seen(g, l, lens[r]), g.page_size, pps);
         for (int h = 0; h < g.num_kv_heads; h++)
