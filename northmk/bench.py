@@ -134,11 +134,15 @@ class DecodeState:
 
     def __init__(self, config, weights, batch: int, context: int):
         per_row = -(-context // PAGE_SIZE)
-        kv = PagedKVCache(config, [batch * per_row] * len(config.attention_groups), torch.bfloat16, "cuda")
+        # A sliding group's row holds only the pages its window sees, as a ring (the engine's
+        # pool releases the pages behind the window): column c of its table is page c mod n.
+        window_pages = -(-(config.sliding_window or 0) // PAGE_SIZE) + 1
+        rows = [min(per_row, window_pages) if g == SLIDING else per_row for g in config.attention_groups]
+        kv = PagedKVCache(config, [batch * n for n in rows], torch.bfloat16, "cuda")
         for pages in kv.pages:
             pages.normal_()
-        table = torch.arange(batch * per_row, dtype=torch.int32, device="cuda").view(batch, per_row)
-        self.tables = [table] * len(kv.pages)
+        cols = torch.arange(per_row, dtype=torch.int32, device="cuda")
+        self.tables = [torch.arange(batch, dtype=torch.int32, device="cuda")[:, None] * n + cols % n for n in rows]
         self.mk = Megakernel(config, weights, kv)
         self.tokens = torch.randint(0, config.vocab_size, (batch,), dtype=torch.int32, device="cuda")
         self.positions = [context - 1] * batch
