@@ -126,6 +126,19 @@ def copy_bandwidth() -> float:
 
 # ---- the megakernel ---------------------------------------------------------------------
 
+def kv_layout(config: ModelConfig, batch: int, context: int, device) -> tuple[list[int], list[torch.Tensor]]:
+    """Pages per KV group and block tables for `batch` rows of `context` tokens, each row on
+    its own pages. A sliding group's row holds only the pages its window sees, as a ring (the
+    engine's pool releases the pages behind the window): column c of its table is page c mod n
+    of the row's n."""
+    per_row = -(-context // PAGE_SIZE)
+    window_pages = -(-(config.sliding_window or 0) // PAGE_SIZE) + 1
+    rows = [min(per_row, window_pages) if g == SLIDING else per_row for g in config.attention_groups]
+    cols = torch.arange(per_row, dtype=torch.int32, device=device)
+    first = torch.arange(batch, dtype=torch.int32, device=device)[:, None]
+    return [batch * n for n in rows], [first * n + cols % n for n in rows]
+
+
 class DecodeState:
     """A megakernel decoding `batch` rows at `context` tokens of KV filled with noise, every row
     on its own pages. step() runs one step on the rows' last tokens into outputs that live
@@ -133,16 +146,10 @@ class DecodeState:
     buffers (a step's input is the other one)."""
 
     def __init__(self, config, weights, batch: int, context: int):
-        per_row = -(-context // PAGE_SIZE)
-        # A sliding group's row holds only the pages its window sees, as a ring (the engine's
-        # pool releases the pages behind the window): column c of its table is page c mod n.
-        window_pages = -(-(config.sliding_window or 0) // PAGE_SIZE) + 1
-        rows = [min(per_row, window_pages) if g == SLIDING else per_row for g in config.attention_groups]
-        kv = PagedKVCache(config, [batch * n for n in rows], torch.bfloat16, "cuda")
-        for pages in kv.pages:
-            pages.normal_()
-        cols = torch.arange(per_row, dtype=torch.int32, device="cuda")
-        self.tables = [torch.arange(batch, dtype=torch.int32, device="cuda")[:, None] * n + cols % n for n in rows]
+        pages, self.tables = kv_layout(config, batch, context, "cuda")
+        kv = PagedKVCache(config, pages, torch.bfloat16, "cuda")
+        for group in kv.pages:
+            group.normal_()
         self.mk = Megakernel(config, weights, kv)
         self.tokens = torch.randint(0, config.vocab_size, (batch,), dtype=torch.int32, device="cuda")
         self.positions = [context - 1] * batch

@@ -17,7 +17,7 @@ from northmk import bench  # noqa: E402
 from northmk.bench_peer import bench_peer, build_peer, hf_config, random_context  # noqa: E402
 from northmk.bench_plot import plotting_available  # noqa: E402
 from northmk.checkpoint import synthetic_weights  # noqa: E402
-from northmk.config import PAGE_SIZE, ModelConfig  # noqa: E402
+from northmk.config import FULL, PAGE_SIZE, SLIDING, ModelConfig  # noqa: E402
 from northmk.generate import generate  # noqa: E402
 from northmk.model.kv import BatchLayout, PagedKVCache  # noqa: E402
 from northmk.model.reference import ReferenceModel  # noqa: E402
@@ -118,6 +118,23 @@ def test_the_peer_refuses_experts_in_the_megakernels_layout_until_untiled():
 
 
 # ---- speed of light --------------------------------------------------------------------------
+
+def test_kv_layout_gives_a_sliding_row_its_windows_pages_as_a_ring():
+    c = bench.north_geometry()
+    pages, tables = bench.kv_layout(c, 2, 131072, "cpu")
+    assert c.attention_groups == (FULL, SLIDING) and pages == [2 * 2048, 2 * 65]
+    full, sliding = tables
+    assert full.shape == sliding.shape == (2, 2048) and full.dtype == sliding.dtype == torch.int32
+    assert torch.equal(full.flatten(), torch.arange(4096, dtype=torch.int32))
+    for pos in (4095, 4096, 100000, 131071):  # every key a sliding layer reads at pos: distinct pages of its row
+        cols = torch.arange(max(0, pos - c.sliding_window + 1), pos + 1) // PAGE_SIZE
+        for r in range(2):
+            seen = sliding[r, cols.unique()]
+            assert len(set(seen.tolist())) == len(seen) and seen.min() >= 65 * r and seen.max() < 65 * (r + 1)
+    # Shorter than the window: every group's row is its context's pages, as before.
+    pages, tables = bench.kv_layout(c, 3, 700, "cpu")
+    assert pages == [33, 33] and all(torch.equal(t, tables[0]) for t in tables)
+
 
 def test_step_bytes_at_batch_1_8k_context_are_the_design_briefs_7_13_gb():
     c = bench.north_geometry()

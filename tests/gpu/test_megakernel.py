@@ -144,6 +144,14 @@ def test_batch_one_and_eight_match_the_reference(full, contexts):
     assert_matches(logits, next_tokens, trace, oracle, other)
 
 
+def test_a_long_row_matches_the_reference(full):
+    # 65536 keys: a full layer's attention outweighs its experts, and its splits take more
+    # than half the SMs (84 splits, 21 a pair: the schedule's share by bytes).
+    config, weights = full
+    logits, next_tokens, trace, oracle, other, *_ = step_both(config, weights, [65536], seed=5)
+    assert_matches(logits, next_tokens, trace, oracle, other)
+
+
 def test_every_layer_alone_matches_the_reference_fed_the_kernels_input(full):
     config, weights = full
     contexts = [4097, 33]

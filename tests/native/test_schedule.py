@@ -187,6 +187,25 @@ def test_a_short_row_gets_attention_splits_of_about_twelve_pages():
     assert set((attn[attn["layer"] == 5]["z"] >> 8).tolist()) == {2} and (attn["layer"] == 5).sum() == 64
 
 
+def test_long_rows_give_attention_a_share_of_the_sms_by_its_bytes():
+    # A full layer's keys and values against its experts' weights (8 slots x 3 x 2048 x 768
+    # bf16, 75 MB at batch 1): at 32768 keys (67 MB) attention keeps half the SMs, 64 splits of
+    # 16 a pair as before; at 65536 (134 MB) 64% of 132 SMs, 84 splits; at 131072 (268 MB) 78%,
+    # 104 splits of 80 pages, 26 a pair. The window's splits do not change.
+    def splits(lens: list[int], layer: int) -> tuple[int, set[int]]:
+        attn = Schedule(north(num_layers=8), 132, lens).tasks
+        attn = attn[(attn["op"] == Opcode.ATTN) & (attn["layer"] == layer)]
+        return len(attn), set((attn["z"] >> 8).tolist())
+
+    assert splits([32768], 4) == (64, {16})
+    assert splits([65536], 4) == (84, {21})
+    assert splits([131072], 4) == (104, {26})
+    assert splits([131072], 5) == splits([8192], 5) == (24, {6})
+    # 8 rows (64 slots): half the SMs up to 65536 keys, 4 splits a pair (128) at 131072.
+    assert splits([65536] * 8, 4) == (96, {3})
+    assert splits([131072] * 8, 4) == (128, {4})
+
+
 def test_oproj_waits_for_every_attention_split_of_its_layer():
     s = Schedule(SMALL, 16, [300, 70, 1])
     for layer in range(5):
