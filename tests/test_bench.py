@@ -117,8 +117,6 @@ def test_the_peer_refuses_experts_in_the_megakernels_layout_until_untiled():
     build_peer(config, weights)
 
 
-# ---- speed of light --------------------------------------------------------------------------
-
 def test_kv_layout_gives_a_sliding_row_its_windows_pages_as_a_ring():
     c = bench.north_geometry()
     pages, tables = bench.kv_layout(c, 2, 131072, "cpu")
@@ -135,6 +133,8 @@ def test_kv_layout_gives_a_sliding_row_its_windows_pages_as_a_ring():
     pages, tables = bench.kv_layout(c, 3, 700, "cpu")
     assert pages == [33, 33] and all(torch.equal(t, tables[0]) for t in tables)
 
+
+# ---- speed of light --------------------------------------------------------------------------
 
 def test_step_bytes_at_batch_1_8k_context_are_the_design_briefs_7_13_gb():
     c = bench.north_geometry()

@@ -82,11 +82,12 @@ int splits_for(int keys, int page_size, int pages_per_split) {
 // batch 1 the layer is bound by its SMs' summed time, not by attention's chain (12 pages: 1.2%
 // shorter layers than 8; benchmarks/NOTES.md, session 14).
 int pages_per_split(const Geometry &g, const nmk_plan &p, int num_sms, const std::vector<int> &lens, int layer) {
+    constexpr double kBf16 = 2;  // bytes
     int work = 0;  // (page, kv head) pairs
     for (int len : lens) work += ceil_div(keys_seen(g, layer, len), g.page_size) * g.num_kv_heads;
-    const double kv_bytes = 2.0 * work * g.page_size * g.head_dim * sizeof(uint16_t);
+    const double kv_bytes = 2 * kBf16 * work * g.page_size * g.head_dim;  // keys and values
     const int inter = g.dense[layer] ? g.dense_inter : g.moe_inter;
-    const double mlp_bytes = 3.0 * mlp_slots(g, p, layer) * g.hidden * inter * sizeof(uint16_t);
+    const double mlp_bytes = 3 * kBf16 * mlp_slots(g, p, layer) * g.hidden * inter;  // gate, up, down
     const int share = std::max(num_sms / 2, static_cast<int>(num_sms * kv_bytes / (kv_bytes + mlp_bytes)));
     return std::max(kMinSplitPages, ceil_div(work, std::max(1, share)));
 }
