@@ -74,9 +74,10 @@ int splits_for(int keys, int page_size, int pages_per_split) {
 // Pages per attention split. One layer's splits of all rows take a share of the SMs in
 // proportion to their bytes against the MLP weights that stream beside them (the keys and
 // values of every row's live pages against the layer's expert slots or dense MLP), and at
-// least half of them: up to ~32K keys a row the experts outweigh attention and the splits
-// fill half the SMs (attention alone draws ~3 TB/s from DRAM at batch 8); at longer contexts
-// attention's share grows, so that the splits end about when the experts do. And at least
+// least half of them: up to ~36K keys a row at batch 1 the experts outweigh attention and
+// the splits fill half the SMs (attention alone draws ~3 TB/s from DRAM at batch 8); at
+// longer contexts attention's share grows, so that the splits end about when the experts do
+// (benchmarks/NOTES.md, session 26). And at least
 // kMinSplitPages: a split's fixed work (its first page's round trips, queries, partials,
 // ticket, signal: ~6.5 us at batch 1) is worth ~9 pages of its loop (0.74 us a page), and at
 // batch 1 the layer is bound by its SMs' summed time, not by attention's chain (12 pages: 1.2%

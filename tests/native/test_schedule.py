@@ -201,7 +201,8 @@ def test_long_rows_give_attention_a_share_of_the_sms_by_its_bytes():
     assert splits([65536], 4) == (84, {21})
     assert splits([131072], 4) == (104, {26})
     assert splits([131072], 5) == splits([8192], 5) == (24, {6})
-    # 8 rows (64 slots): half the SMs up to 65536 keys, 4 splits a pair (128) at 131072.
+    # 8 rows (64 slots, 604 MB): at 65536 keys (1.07 GB) the share, 84 SMs, still rounds to 3 splits
+    # a pair (96) as half the SMs does; at 131072, 103 SMs, to 4 (128).
     assert splits([65536] * 8, 4) == (96, {3})
     assert splits([131072] * 8, 4) == (128, {4})
 
