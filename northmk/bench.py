@@ -7,6 +7,9 @@
     python -m northmk.bench critical TASK_TIMES.npy [--batch B --context C] [--sms 132] [--layer L]
     python -m northmk.bench simulate TASK_TIMES.npy [--batch B --context C] [--sms 132] [--hop-us H --turn-us T]
         [--what-if OP=CHANGE ...]
+    python -m northmk.bench fluid TASK_TIMES.npy [--batch B --context C] [--sms 132] [--executors 2]
+        [--executor-gbs 45 --sm-gbs 45 --dram-tbs 4.24] [--hop-us H --turn-us T] [--fixed-quantile 0.1]
+        [--their-executor-gbs G] [--their-fixed F] [--what-if OP=CHANGE ...]
     python -m northmk.bench timeline TASK_TIMES.npy [--batch B --context C] [--sms 132] [--bin-us 5] [--layer L]
     python -m northmk.bench switches TASK_TIMES.npy [--min-us 1.5]
 
@@ -26,6 +29,11 @@ writes) back along the chain of tasks that set its length (northmk.bench_critica
 tasks; with --what-if it replays the step again with some opcodes' run times changed (QKV=-1.5:
 every QKV task 1.5 us shorter; ATTN=x0.7: every attention task at 70% of its time), the
 prediction of a change that shortens tasks without moving the DRAM traffic between them.
+`fluid` replays a schedule with its tasks sharing DRAM bandwidth: each task a fixed part (from the
+profiled step) around the bytes it streams, at rates capped per executor, per SM and for DRAM
+(northmk.bench_fluid); with --executors N it replays a schedule built for N executors per SM
+against the profiled step's own schedule replayed the same way, and with --their-fixed F or
+--what-if OP=CHANGE the step with its fixed parts (all, or one opcode's) changed.
 `timeline` spreads each task's bytes (weights, KV pages) over its run: the bandwidth
 the step asked of DRAM in each bin, and per opcode the SMs that ran (northmk.bench_timeline).
 `switches` compares, per opcode, the run of its tasks that follow a task of their own
@@ -531,6 +539,52 @@ def simulate(args) -> str:
     return report
 
 
+def fluid(args) -> str:
+    """The report of `fluid`: the profiled step's schedule replayed with shared bandwidth, and with
+    --executors N, --their-* or --what-if a changed step replayed the same way (northmk.bench_fluid)."""
+    from .bench_critical import check_times, context_bucket
+    from .bench_fluid import fixed_parts, replay, schedule_bytes, step_us, used_slots
+    from .bench_timeline import task_bytes
+    from .megakernel import Schedule
+
+    if args.executors < 1 or min(args.executor_gbs, args.sm_gbs, args.dram_tbs) <= 0:
+        raise ValueError("--executors must be >= 1 and the rates > 0")
+    if min(args.hop_us, args.turn_us, args.min_us, args.their_executor_gbs, args.their_fixed) < 0:
+        raise ValueError("--hop-us, --turn-us, --min-us, --their-executor-gbs and --their-fixed must be >= 0")
+    changes = [what_if_change(c) for c in args.what_if]
+    times, schedule, which, config, context = profiled_run(args)
+    times = check_times(times, schedule)[0]
+    nbytes = task_bytes(config, schedule, context, times, args.min_us)
+    fixed = fixed_parts(schedule, times, nbytes, args.executor_gbs, args.fixed_quantile)
+    used = used_slots(config, schedule, nbytes)
+    rates = dict(sm_bpns=args.sm_gbs, dram_bpns=args.dram_tbs * 1e3, hop_ns=args.hop_us * 1e3,
+                 turn_ns=args.turn_us * 1e3)
+
+    def play(sched, executors: int, executor_gbs: float, factor: float = 1.0, changed: bool = False) -> float:
+        ops = sched.tasks["op"]
+        f = np.array([fixed.get(int(op), 0.0) * factor for op in ops])
+        for op, times_x, add in changes if changed else []:
+            f[ops == op] = np.maximum(f[ops == op] * times_x + add * 1e3, 0.0)
+        n = schedule_bytes(config, sched, context, used)
+        return step_us(replay(sched, f, n, args.sms, executors, executor_gbs, **rates))
+
+    own = play(schedule, 1, args.executor_gbs)
+    lines = [which,
+             "  fixed parts (us): " + ", ".join(f"{Opcode(op).name} {ns / 1e3:.2f}" for op, ns in sorted(fixed.items())),
+             f"  measured {step_us(times):.1f} us; its schedule replayed with shared bandwidth {own:.1f} us "
+             f"({100 * (own / step_us(times) - 1):+.1f}%)"]
+    if args.executors > 1 or args.their_fixed != 1.0 or args.their_executor_gbs or changes:
+        n_exec, gbs = args.executors, args.their_executor_gbs or args.executor_gbs
+        other = schedule if n_exec == 1 else \
+            Schedule(config, args.sms * n_exec, [context_bucket(context)] * schedule.plan["batch"])
+        theirs = play(other, n_exec, gbs, args.their_fixed, True)
+        lines.append(f"  {n_exec} executor{'s' if n_exec > 1 else ''} per SM (a schedule for {args.sms * n_exec} "
+                     f"lists, each streaming at most {gbs:g} GB/s, fixed parts x{args.their_fixed:g}"
+                     f"{''.join(', ' + c for c in args.what_if)}): {theirs:.1f} us, "
+                     f"{100 * (own / theirs - 1):+.1f}% tok/s against the replay of one")
+    return "\n".join(lines)
+
+
 def timeline(args) -> str:
     """The report of `timeline` (northmk.bench_timeline)."""
     from .bench_critical import check_times
@@ -605,6 +659,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     m.add_argument("--what-if", action="append", default=[], metavar="OP=CHANGE",
                    help="replay again with every OP task's run time changed: -1.5 (us) or x0.7 (a factor); "
                         "repeat for several opcodes")
+    f = step_parser(sub, "fluid", "replay a profiled step's schedule with its tasks sharing DRAM bandwidth")
+    f.add_argument("--executors", type=int, default=1, help="executors per SM of the schedule to compare")
+    f.add_argument("--executor-gbs", type=float, default=45.0,
+                   help="the profiled step's executor's streaming cap, GB/s (its fixed parts are its run less that)")
+    f.add_argument("--their-executor-gbs", type=float, default=0.0,
+                   help="an executor's cap in the compared replay (default: --executor-gbs)")
+    f.add_argument("--their-fixed", type=float, default=1.0,
+                   help="the fixed parts in the compared replay, as a factor of the profiled step's")
+    f.add_argument("--sm-gbs", type=float, default=45.0, help="an SM's executors' streaming cap together, GB/s")
+    f.add_argument("--dram-tbs", type=float, default=4.24, help="DRAM's cap, TB/s (the device's copy bandwidth)")
+    f.add_argument("--hop-us", type=float, default=0.5, help="a counter complete -> its waiter running")
+    f.add_argument("--turn-us", type=float, default=0.7, help="an executor's task ended -> its next running")
+    f.add_argument("--fixed-quantile", type=float, default=0.1,
+                   help="an opcode's fixed part: this quantile of its tasks' run less bytes at the executor cap")
+    f.add_argument("--min-us", type=float, default=1.5,
+                   help="routed expert tasks that ran shorter read nothing (an unused slot's)")
+    f.add_argument("--what-if", action="append", default=[], metavar="OP=CHANGE",
+                   help="in the compared replay, every OP task's fixed part changed: -0.5 (us) or x0.5 (a factor)")
     t = step_parser(sub, "timeline", "the bandwidth a profiled step asked of DRAM over time, and who ran")
     t.add_argument("--bin-us", type=float, default=5.0, help="width of a bin of time")
     t.add_argument("--layer", type=int, help="the layer whose bins to list (default: the middle one)")
@@ -658,6 +730,8 @@ def main(argv: list[str] | None = None) -> int:
             print(critical(args))
         elif args.what == "simulate":
             print(simulate(args))
+        elif args.what == "fluid":
+            print(fluid(args))
         elif args.what == "timeline":
             print(timeline(args))
         elif args.what == "switches":

@@ -1,0 +1,222 @@
+"""A decode step's schedule replayed with its tasks sharing DRAM bandwidth: `python -m northmk.bench fluid`.
+
+bench_simulate replays a step from each task's measured run time, so it cannot see tasks slowing
+each other down, nor ask what a task would take on another schedule. Here a task is a fixed part
+(staging, reductions, writes, the signal: time in which its executor streams nothing), half before
+and half after, around the bytes it streams (bench_timeline.task_bytes: its weights, its pages of
+KV). The bytes flow at rates that share three caps, recomputed whenever a task starts or stops
+streaming: each executor's own (how fast one executor's loads can stream), each SM's (its executors
+together) and DRAM's (all of them: above it every streaming executor slows by the same factor).
+
+An executor is what runs one task list: the megakernel runs one per SM, and `executors` > 1 asks
+what several per SM would give, each with its own list of a schedule built for SMs x executors
+(executor e of SM s runs list e * SMs + s). Waits, hops, turns and queue claims are
+bench_simulate's. The fixed part of each opcode comes from a profiled step: the `fixed_quantile`
+of its tasks' (run - bytes / executor cap) over the tasks that streamed anything (all of them
+for opcodes that stream nothing), the least contended tasks being the nearest to streaming
+alone. Replaying the profiled step's own schedule this way says how far the model is from the
+measured step; a change is read as the ratio of two replays, which that error mostly cancels.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import defaultdict
+
+import numpy as np
+
+from .config import DENSE, ModelConfig
+from .megakernel import Opcode
+
+# Executor phases
+_NEED, _BLOCKED, _TIMED, _STREAM, _DONE = range(5)
+
+
+def fixed_parts(schedule, times: np.ndarray, nbytes: np.ndarray, executor_bpns: float,
+                quantile: float = 0.1) -> dict[int, float]:
+    """ns of fixed part per opcode of a profiled step (its times, the bytes of its tasks)."""
+    if not 0.0 <= quantile <= 1.0:
+        raise ValueError(f"the fixed part's quantile must be in [0, 1], got {quantile}")
+    ops = schedule.tasks["op"][schedule.tasks["op"] != Opcode.DRAIN].astype(int)
+    run = (times[:, 2] - times[:, 1]).astype(np.float64)
+    out = {}
+    for op in np.unique(ops):
+        mine = ops == op
+        streams = mine & (nbytes > 0)
+        if streams.any():
+            left = run[streams] - nbytes[streams] / executor_bpns
+        else:
+            left = run[mine]
+        out[int(op)] = max(0.0, float(np.quantile(left, quantile)))
+    return out
+
+
+def used_slots(config: ModelConfig, schedule, nbytes: np.ndarray) -> set[tuple[int, int]]:
+    """(layer, slot) of the sparse layers' expert slots that read anything in a profiled step
+    (nbytes: bench_timeline.task_bytes of its tasks less DRAIN entries)."""
+    tasks = schedule.tasks[schedule.tasks["op"] != Opcode.DRAIN]
+    return {(int(t["layer"]), int(t["y"])) for t, n in zip(tasks, nbytes)
+            if n > 0 and t["op"] in (Opcode.GATE_UP, Opcode.DOWN) and config.mlp_types[int(t["layer"])] != DENSE}
+
+
+def schedule_bytes(config: ModelConfig, schedule, context: int, used: set[tuple[int, int]]) -> np.ndarray:
+    """Bytes per task of `schedule` (DRAIN entries 0), every expert slot of a sparse layer reading
+    its tile but those not in `used`, which read nothing (a slot no row picked)."""
+    from .bench_timeline import task_bytes
+
+    work = schedule.tasks["op"] != Opcode.DRAIN
+    ran = np.zeros((int(work.sum()), 4), dtype=np.int64)
+    ran[:, 2] = 1 << 40  # no task "ran short": task_bytes clears no slot
+    out = np.zeros(len(schedule.tasks), dtype=np.int64)
+    out[work] = task_bytes(config, schedule, context, ran)
+    for i in np.flatnonzero(work):
+        t = schedule.tasks[i]
+        if t["op"] in (Opcode.GATE_UP, Opcode.DOWN) and config.mlp_types[int(t["layer"])] != DENSE \
+                and (int(t["layer"]), int(t["y"])) not in used:
+            out[i] = 0
+    return out
+
+
+def replay(schedule, fixed_ns, nbytes, sms: int, executors: int = 1, executor_bpns: float = 45.0,
+           sm_bpns: float = 45.0, dram_bpns: float = 4240.0, hop_ns: float = 500.0,
+           turn_ns: float = 700.0) -> np.ndarray:
+    """Task times of one step of `schedule` (built for sms * executors lists) in the kernel's
+    format ([tasks less DRAIN entries, 4]: began waiting, ran, ended in ns, op | layer << 8 |
+    list << 16). fixed_ns[i] and nbytes[i]: task i's fixed part and bytes (DRAIN entries'
+    ignored). Rates in bytes per ns (= GB/s). RuntimeError on a deadlock."""
+    if schedule.num_sms != sms * executors:
+        raise ValueError(f"the schedule has {schedule.num_sms} lists, not {sms} SMs x {executors} executors")
+    if min(executor_bpns, sm_bpns, dram_bpns) <= 0 or min(hop_ns, turn_ns) < 0:
+        raise ValueError("the rates must be > 0 and the hop and turn >= 0")
+    tasks = schedule.tasks
+    ops, waits, targets, signals = (tasks[f].astype(int).tolist() for f in ("op", "wait", "target", "signal"))
+    layers, queue_x = tasks["layer"].astype(int).tolist(), tasks["x"].astype(int).tolist()
+    n_exec = schedule.num_sms
+    cursor = [int(o) for o in schedule.sm_offsets[:-1]]
+    list_end = [int(o) for o in schedule.sm_offsets[1:]]
+    head = [int(o) for o in schedule.queue_offsets[:-1]]
+    queue_end = [int(o) for o in schedule.queue_offsets[1:]]
+    sm_of = np.arange(n_exec) % sms
+    held: list[int | None] = [None] * n_exec
+    phase = [_NEED] * n_exec
+    current = [-1] * n_exec  # the task an executor runs or waits for
+    until = [0.0] * n_exec  # a _TIMED phase's end
+    after_timed = [""] * n_exec  # "stream" (the pre part ended) or "end" (the post part ended)
+    free = [0.0] * n_exec  # when the executor ended its last task
+    first = [True] * n_exec
+    left = np.zeros(n_exec)  # bytes left to stream
+    streaming = np.zeros(n_exec, dtype=bool)
+    reached: dict[int, list[float]] = defaultdict(list)  # counter -> when it reached 1, 2, ...
+    blocked: dict[int, list[int]] = defaultdict(list)
+    rows = np.zeros((len(tasks), 4), dtype=np.int64)
+    placed = np.zeros(len(tasks), dtype=bool)
+    timed: list[tuple[float, int, int]] = []  # (until, executor, generation)
+    generation = [0] * n_exec
+
+    def next_task(x: int) -> int | None:
+        while cursor[x] < list_end[x]:
+            i = cursor[x]
+            if ops[i] != Opcode.DRAIN:
+                return i
+            if held[x] is not None:
+                return held[x]
+            q = queue_x[i]
+            if head[q] < queue_end[q]:
+                held[x], head[q] = head[q], head[q] + 1
+                return held[x]
+            cursor[x] += 1
+        return None
+
+    def set_timed(x: int, t: float, then: str) -> None:
+        phase[x], until[x], after_timed[x] = _TIMED, t, then
+        generation[x] += 1
+        heapq.heappush(timed, (t, x, generation[x]))
+
+    def start(x: int, ready: float) -> None:
+        i = current[x]
+        begin = max(free[x] + (0.0 if first[x] else turn_ns), ready)
+        rows[i, 0], rows[i, 1] = int(free[x]), int(begin)
+        set_timed(x, begin + fixed_ns[i] / 2, "stream")
+
+    def take(x: int, now: float) -> None:
+        i = next_task(x)
+        if i is None:
+            phase[x] = _DONE
+            return
+        current[x] = i
+        w, target = waits[i], targets[i]
+        if w >= 0 and target > len(reached[w]):
+            phase[x] = _BLOCKED
+            blocked[w].append(x)
+            return
+        start(x, reached[w][target - 1] + hop_ns if w >= 0 and target > 0 else 0.0)
+
+    def end(x: int, now: float, pending: list[int]) -> None:
+        i = current[x]
+        rows[i, 2], rows[i, 3] = int(now), ops[i] | layers[i] << 8 | x << 16
+        placed[i] = True
+        first[x], free[x] = False, now
+        if held[x] == i:
+            held[x] = None
+        else:
+            cursor[x] += 1
+        s = signals[i]
+        if s >= 0:
+            reached[s].append(now)
+            still = []
+            for waiter in blocked.pop(s, []):
+                if targets[current[waiter]] <= len(reached[s]):
+                    start(waiter, now + hop_ns)
+                else:
+                    still.append(waiter)
+            if still:
+                blocked[s] = still
+        phase[x] = _NEED
+        pending.append(x)
+
+    now = 0.0
+    pending = list(range(n_exec))
+    while True:
+        while pending:
+            take(pending.pop(), now)
+        rates = np.zeros(n_exec)
+        if streaming.any():
+            per_sm = np.bincount(sm_of[streaming], minlength=sms)
+            rates[streaming] = np.minimum(executor_bpns, sm_bpns / per_sm[sm_of[streaming]])
+            total = rates.sum()
+            if total > dram_bpns:
+                rates *= dram_bpns / total
+        while timed and (phase[timed[0][1]] != _TIMED or generation[timed[0][1]] != timed[0][2]):
+            heapq.heappop(timed)
+        t_timed = timed[0][0] if timed else np.inf
+        t_stream = now + float(np.min(left[streaming] / rates[streaming])) if streaming.any() else np.inf
+        t = min(t_timed, t_stream)
+        if t == np.inf:
+            break
+        left[streaming] -= rates[streaming] * (t - now)
+        now = t
+        done = np.flatnonzero(streaming & (left <= 1e-3))  # bytes: what rounding leaves
+        for x in done.tolist():
+            streaming[x] = False
+            set_timed(x, now + fixed_ns[current[x]] / 2, "end")
+        while timed and timed[0][0] <= now:
+            _, x, gen = heapq.heappop(timed)
+            if phase[x] != _TIMED or gen != generation[x]:
+                continue
+            if after_timed[x] == "stream":
+                i = current[x]
+                if nbytes[i] > 0:
+                    phase[x], left[x], streaming[x] = _STREAM, float(nbytes[i]), True
+                else:
+                    set_timed(x, now + fixed_ns[i] / 2, "end")
+            else:
+                end(x, now, pending)
+    work = np.array([op != Opcode.DRAIN for op in ops])
+    if not placed[work].all():
+        stuck = sorted({x for xs in blocked.values() for x in xs})
+        raise RuntimeError(f"deadlock: {int((~placed[work]).sum())} tasks never run; executors {stuck[:8]} wait forever")
+    return rows[work]
+
+
+def step_us(times: np.ndarray) -> float:
+    return float(times[:, 2].max() - times[:, 1].min()) / 1e3
