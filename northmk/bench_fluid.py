@@ -26,6 +26,7 @@ from collections import defaultdict
 import numpy as np
 
 from .config import DENSE, ModelConfig
+from .bench_simulate import Lists
 from .megakernel import Opcode
 
 # Executor phases
@@ -90,14 +91,10 @@ def replay(schedule, fixed_ns, nbytes, sms: int, executors: int = 1, executor_bp
         raise ValueError("the rates must be > 0 and the hop and turn >= 0")
     tasks = schedule.tasks
     ops, waits, targets, signals = (tasks[f].astype(int).tolist() for f in ("op", "wait", "target", "signal"))
-    layers, queue_x = tasks["layer"].astype(int).tolist(), tasks["x"].astype(int).tolist()
+    layers = tasks["layer"].astype(int).tolist()
     n_exec = schedule.num_sms
-    cursor = [int(o) for o in schedule.sm_offsets[:-1]]
-    list_end = [int(o) for o in schedule.sm_offsets[1:]]
-    head = [int(o) for o in schedule.queue_offsets[:-1]]
-    queue_end = [int(o) for o in schedule.queue_offsets[1:]]
+    lists = Lists(schedule)
     sm_of = np.arange(n_exec) % sms
-    held: list[int | None] = [None] * n_exec
     phase = [_NEED] * n_exec
     current = [-1] * n_exec  # the task an executor runs or waits for
     until = [0.0] * n_exec  # a _TIMED phase's end
@@ -113,20 +110,6 @@ def replay(schedule, fixed_ns, nbytes, sms: int, executors: int = 1, executor_bp
     timed: list[tuple[float, int, int]] = []  # (until, executor, generation)
     generation = [0] * n_exec
 
-    def next_task(x: int) -> int | None:
-        while cursor[x] < list_end[x]:
-            i = cursor[x]
-            if ops[i] != Opcode.DRAIN:
-                return i
-            if held[x] is not None:
-                return held[x]
-            q = queue_x[i]
-            if head[q] < queue_end[q]:
-                held[x], head[q] = head[q], head[q] + 1
-                return held[x]
-            cursor[x] += 1
-        return None
-
     def set_timed(x: int, t: float, then: str) -> None:
         phase[x], until[x], after_timed[x] = _TIMED, t, then
         generation[x] += 1
@@ -139,7 +122,7 @@ def replay(schedule, fixed_ns, nbytes, sms: int, executors: int = 1, executor_bp
         set_timed(x, begin + fixed_ns[i] / 2, "stream")
 
     def take(x: int, now: float) -> None:
-        i = next_task(x)
+        i = lists.next(x)
         if i is None:
             phase[x] = _DONE
             return
@@ -156,10 +139,7 @@ def replay(schedule, fixed_ns, nbytes, sms: int, executors: int = 1, executor_bp
         rows[i, 2], rows[i, 3] = int(now), ops[i] | layers[i] << 8 | x << 16
         placed[i] = True
         first[x], free[x] = False, now
-        if held[x] == i:
-            held[x] = None
-        else:
-            cursor[x] += 1
+        lists.ran(x, i)
         s = signals[i]
         if s >= 0:
             reached[s].append(now)

@@ -30,6 +30,42 @@ def task_keys(tasks: np.ndarray) -> list[Key]:
     return list(zip(*(tasks[f].astype(int).tolist() for f in ("op", "layer", "x", "y", "z"))))
 
 
+class Lists:
+    """The task lists' cursors and the queues' heads as the kernel walks them: `next(sm)` is the
+    list's next task, claiming queue q's next task at a DRAIN(q) entry (held until it ran) and
+    passing the entry once the queue is dry; `ran(sm, i)` moves past task i."""
+
+    def __init__(self, schedule):
+        self.ops = schedule.tasks["op"].astype(int).tolist()
+        self.queue_x = schedule.tasks["x"].astype(int).tolist()
+        self.cursor = [int(o) for o in schedule.sm_offsets[:-1]]
+        self.list_end = [int(o) for o in schedule.sm_offsets[1:]]
+        self.head = [int(o) for o in schedule.queue_offsets[:-1]]
+        self.queue_end = [int(o) for o in schedule.queue_offsets[1:]]
+        self.held: list[int | None] = [None] * schedule.num_sms
+
+    def next(self, sm: int) -> int | None:
+        """The SM's next task, None when its list is done."""
+        while self.cursor[sm] < self.list_end[sm]:
+            i = self.cursor[sm]
+            if self.ops[i] != Opcode.DRAIN:
+                return i
+            if self.held[sm] is not None:
+                return self.held[sm]
+            q = self.queue_x[i]
+            if self.head[q] < self.queue_end[q]:
+                self.held[sm], self.head[q] = self.head[q], self.head[q] + 1
+                return self.held[sm]
+            self.cursor[sm] += 1
+        return None
+
+    def ran(self, sm: int, i: int) -> None:
+        if self.held[sm] == i:
+            self.held[sm] = None
+        else:
+            self.cursor[sm] += 1
+
+
 def simulate(schedule, run_ns, hop_ns: int = 500, turn_ns: int = 700) -> np.ndarray:
     """Task times of one step of `schedule` (rows: its tasks less the DRAIN entries, in order).
     run_ns[i]: the run time of schedule.tasks[i] (DRAIN entries' ignored). RuntimeError when
@@ -38,14 +74,9 @@ def simulate(schedule, run_ns, hop_ns: int = 500, turn_ns: int = 700) -> np.ndar
     they become free, so a later placement rarely ends earlier)."""
     tasks = schedule.tasks
     ops, waits, targets, signals = (tasks[f].astype(int).tolist() for f in ("op", "wait", "target", "signal"))
-    queue_x = tasks["x"].astype(int).tolist()
-    cursor = [int(o) for o in schedule.sm_offsets[:-1]]
-    list_end = [int(o) for o in schedule.sm_offsets[1:]]
-    head = [int(o) for o in schedule.queue_offsets[:-1]]
-    queue_end = [int(o) for o in schedule.queue_offsets[1:]]
+    lists = Lists(schedule)
     num_sms = schedule.num_sms
     free = [0] * num_sms  # when each SM ended its last task
-    held: list[int | None] = [None] * num_sms  # a claimed queue task
     ends: dict[int, list[int]] = defaultdict(list)  # counter -> its signallers' ends, placed so far
     blocked: dict[int, list[int]] = defaultdict(list)  # counter -> SMs whose next task waits on it
     rows = np.zeros((len(tasks), 4), dtype=np.int64)
@@ -54,24 +85,9 @@ def simulate(schedule, run_ns, hop_ns: int = 500, turn_ns: int = 700) -> np.ndar
     heapq.heapify(ready_sms)
     first_turn = [True] * num_sms
 
-    def next_task(sm: int) -> int | None:
-        """The SM's next task (claiming from a queue at DRAIN), None when its list is done."""
-        while cursor[sm] < list_end[sm]:
-            i = cursor[sm]
-            if ops[i] != Opcode.DRAIN:
-                return i
-            if held[sm] is not None:
-                return held[sm]
-            q = queue_x[i]
-            if head[q] < queue_end[q]:
-                held[sm], head[q] = head[q], head[q] + 1
-                return held[sm]
-            cursor[sm] += 1
-        return None
-
     while ready_sms:
         now, sm = heapq.heappop(ready_sms)
-        i = next_task(sm)
+        i = lists.next(sm)
         if i is None:
             continue
         w, target = waits[i], targets[i]
@@ -85,10 +101,7 @@ def simulate(schedule, run_ns, hop_ns: int = 500, turn_ns: int = 700) -> np.ndar
         placed[i] = True
         first_turn[sm] = False
         free[sm] = end
-        if held[sm] == i:
-            held[sm] = None
-        else:
-            cursor[sm] += 1
+        lists.ran(sm, i)
         if signals[i] >= 0:
             ends[signals[i]].append(end)
             for waiter in blocked.pop(signals[i], []):

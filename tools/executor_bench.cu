@@ -33,20 +33,12 @@
 #include <string>
 #include <vector>
 
+#include "cuda_check.h"
 #include "mk/common.cuh"
 
 using namespace nmk::mk;
 
 namespace {
-
-#define CHECK(call)                                                                                     \
-    do {                                                                                                \
-        cudaError_t e_ = (call);                                                                        \
-        if (e_ != cudaSuccess) {                                                                        \
-            std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
-            std::exit(2);                                                                               \
-        }                                                                                               \
-    } while (0)
 
 constexpr int kXStride = 2048;  // the input: [8][kXStride] bf16, the widest K of the mix
 constexpr int kExecSmem = in_bytes(kXStride) + kMaxGemvItems * 128 * (int)sizeof(float);

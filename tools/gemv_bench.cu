@@ -45,6 +45,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda_check.h"
 #include "mk/common.cuh"
 #include "mk/tensor_map.hpp"
 #include "mk/tma_gemv.cuh"
@@ -52,15 +53,6 @@
 using namespace nmk::mk;
 
 namespace {
-
-#define CHECK(call)                                                                                       \
-    do {                                                                                                  \
-        cudaError_t e_ = (call);                                                                          \
-        if (e_ != cudaSuccess) {                                                                          \
-            std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_));   \
-            std::exit(2);                                                                                 \
-        }                                                                                                 \
-    } while (0)
 
 struct Shape {
     const char *name;
