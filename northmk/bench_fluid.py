@@ -25,12 +25,9 @@ from collections import defaultdict
 
 import numpy as np
 
-from .config import DENSE, ModelConfig
 from .bench_simulate import Lists
+from .config import DENSE, ModelConfig
 from .megakernel import Opcode
-
-# Executor phases
-_NEED, _BLOCKED, _TIMED, _STREAM, _DONE = range(5)
 
 
 def fixed_parts(schedule, times: np.ndarray, nbytes: np.ndarray, executor_bpns: float,
@@ -95,10 +92,7 @@ def replay(schedule, fixed_ns, nbytes, sms: int, executors: int = 1, executor_bp
     n_exec = schedule.num_sms
     lists = Lists(schedule)
     sm_of = np.arange(n_exec) % sms
-    phase = [_NEED] * n_exec
     current = [-1] * n_exec  # the task an executor runs or waits for
-    until = [0.0] * n_exec  # a _TIMED phase's end
-    after_timed = [""] * n_exec  # "stream" (the pre part ended) or "end" (the post part ended)
     free = [0.0] * n_exec  # when the executor ended its last task
     first = [True] * n_exec
     left = np.zeros(n_exec)  # bytes left to stream
@@ -107,34 +101,27 @@ def replay(schedule, fixed_ns, nbytes, sms: int, executors: int = 1, executor_bp
     blocked: dict[int, list[int]] = defaultdict(list)
     rows = np.zeros((len(tasks), 4), dtype=np.int64)
     placed = np.zeros(len(tasks), dtype=bool)
-    timed: list[tuple[float, int, int]] = []  # (until, executor, generation)
-    generation = [0] * n_exec
-
-    def set_timed(x: int, t: float, then: str) -> None:
-        phase[x], until[x], after_timed[x] = _TIMED, t, then
-        generation[x] += 1
-        heapq.heappush(timed, (t, x, generation[x]))
+    # an executor's fixed part ends: (when, executor, True: the part before its bytes, False: after)
+    timed: list[tuple[float, int, bool]] = []
 
     def start(x: int, ready: float) -> None:
         i = current[x]
         begin = max(free[x] + (0.0 if first[x] else turn_ns), ready)
         rows[i, 0], rows[i, 1] = int(free[x]), int(begin)
-        set_timed(x, begin + fixed_ns[i] / 2, "stream")
+        heapq.heappush(timed, (begin + fixed_ns[i] / 2, x, True))
 
-    def take(x: int, now: float) -> None:
+    def take(x: int) -> None:
         i = lists.next(x)
         if i is None:
-            phase[x] = _DONE
             return
         current[x] = i
         w, target = waits[i], targets[i]
         if w >= 0 and target > len(reached[w]):
-            phase[x] = _BLOCKED
             blocked[w].append(x)
-            return
-        start(x, reached[w][target - 1] + hop_ns if w >= 0 and target > 0 else 0.0)
+        else:
+            start(x, reached[w][target - 1] + hop_ns if w >= 0 and target > 0 else 0.0)
 
-    def end(x: int, now: float, pending: list[int]) -> None:
+    def end(x: int, now: float) -> None:
         i = current[x]
         rows[i, 2], rows[i, 3] = int(now), ops[i] | layers[i] << 8 | x << 16
         placed[i] = True
@@ -151,14 +138,12 @@ def replay(schedule, fixed_ns, nbytes, sms: int, executors: int = 1, executor_bp
                     still.append(waiter)
             if still:
                 blocked[s] = still
-        phase[x] = _NEED
-        pending.append(x)
+        take(x)
 
+    for x in range(n_exec):
+        take(x)
     now = 0.0
-    pending = list(range(n_exec))
     while True:
-        while pending:
-            take(pending.pop(), now)
         rates = np.zeros(n_exec)
         if streaming.any():
             per_sm = np.bincount(sm_of[streaming], minlength=sms)
@@ -166,8 +151,6 @@ def replay(schedule, fixed_ns, nbytes, sms: int, executors: int = 1, executor_bp
             total = rates.sum()
             if total > dram_bpns:
                 rates *= dram_bpns / total
-        while timed and (phase[timed[0][1]] != _TIMED or generation[timed[0][1]] != timed[0][2]):
-            heapq.heappop(timed)
         t_timed = timed[0][0] if timed else np.inf
         t_stream = now + float(np.min(left[streaming] / rates[streaming])) if streaming.any() else np.inf
         t = min(t_timed, t_stream)
@@ -175,22 +158,18 @@ def replay(schedule, fixed_ns, nbytes, sms: int, executors: int = 1, executor_bp
             break
         left[streaming] -= rates[streaming] * (t - now)
         now = t
-        done = np.flatnonzero(streaming & (left <= 1e-3))  # bytes: what rounding leaves
-        for x in done.tolist():
+        for x in np.flatnonzero(streaming & (left <= 1e-3)).tolist():  # bytes: what rounding leaves
             streaming[x] = False
-            set_timed(x, now + fixed_ns[current[x]] / 2, "end")
+            heapq.heappush(timed, (now + fixed_ns[current[x]] / 2, x, False))
         while timed and timed[0][0] <= now:
-            _, x, gen = heapq.heappop(timed)
-            if phase[x] != _TIMED or gen != generation[x]:
-                continue
-            if after_timed[x] == "stream":
-                i = current[x]
-                if nbytes[i] > 0:
-                    phase[x], left[x], streaming[x] = _STREAM, float(nbytes[i]), True
-                else:
-                    set_timed(x, now + fixed_ns[i] / 2, "end")
+            _, x, before = heapq.heappop(timed)
+            i = current[x]
+            if before and nbytes[i] > 0:
+                left[x], streaming[x] = float(nbytes[i]), True
+            elif before:
+                heapq.heappush(timed, (now + fixed_ns[i] / 2, x, False))
             else:
-                end(x, now, pending)
+                end(x, now)
     work = np.array([op != Opcode.DRAIN for op in ops])
     if not placed[work].all():
         stuck = sorted({x for xs in blocked.values() for x in xs})
