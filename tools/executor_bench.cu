@@ -175,8 +175,8 @@ int main(int argc, char **argv) {
         }
     }
     if (spins_ns.empty()) spins_ns = {0, 1000, 2000};
-    if (layers < 1) {
-        std::fprintf(stderr, "--layers must be positive\n");
+    if (layers < 1 || *std::min_element(spins_ns.begin(), spins_ns.end()) < 0) {
+        std::fprintf(stderr, "--layers must be positive and --spin-ns at least 0\n");
         return 2;
     }
     int dev = 0, sms = 0, clock_khz = 0;
