@@ -25,14 +25,21 @@
 //                   (common.cuh's tiled_index): each (16-row band, 32-wide k step) block of 1 KB
 //                   contiguous, so a warp's load reads 512 contiguous bytes and its burst 8 KB
 //   tiled/gemv      the megakernel's gemv() on that copy, as it runs attention's weights
+//   tiled/bulkSxN   gemv()'s work split on that copy, each warp's band streamed by bulk copies
+//                   of S KB into a ring of N slots of its own (DotBulk; 8 warps x S x N KB per SM)
+//   tiled/ringCxN   one ring per CTA of N slots of C KB that runs on across its tiles, every warp
+//                   reading every slot: a slot is C / bands KB of each band, a bulk copy each
+//   tiled/pieceN    the same with a producer warp and slots of one bulk copy of up to 32 KB (a
+//                   piece of one band's K range, contiguous in the tiled layout), N in flight
 // Every output of a sample of tiles is checked against a CPU reference (error relative to the
 // row's sum |w| |x|, 1e-2 at most). One line per (shape, path, batch); exit code 1 on a mismatch.
-//   northmk_gemv_bench [--quick] [--filter SUBSTR]... [--ctas N] [--pool-mib M]
-//     --quick: 512 MiB of weights, one repetition; --filter: only the paths whose name contains
-//     SUBSTR (repeatable: any of them); --ctas: launch N CTAs (default one per SM: what one SM
-//     streams when fewer share the DRAM); --pool-mib: M MiB of weights (small enough, and L2
-//     holds them after the first repetition: what an SM streams from L2). GB/s per SM divides by
-//     the CTAs launched.
+//   northmk_gemv_bench [--quick] [--read-peak] [--filter SUBSTR]... [--ctas N] [--pool-mib M]
+//     --quick: 512 MiB of weights, one repetition; --read-peak: first the device's read
+//     bandwidth with no GEMV (read_ldg, read_bulk; --ctas sets their SMs); --filter: only the
+//     paths whose name contains SUBSTR (repeatable: any of them); --ctas: launch N CTAs (default
+//     one per SM: what one SM streams when fewer share the DRAM); --pool-mib: M MiB of weights
+//     (small enough, and L2 holds them after the first repetition: what an SM streams from L2).
+//     GB/s per SM divides by the CTAs launched.
 #include <cuda/atomic>
 #include <cuda_runtime.h>
 
@@ -275,6 +282,13 @@ struct DotRing {
     }
 };
 
+__device__ __forceinline__ uint4 lds128(uint32_t addr) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr)
+                 : "memory");
+    return v;
+}
+
 // The weights through shared memory with cp.async, whose commit groups complete in order: a
 // per-thread ring of NB batches of S steps (each step: the lane's 16 bytes of row lo, then of row
 // hi, in two planes of kThreads x 16 bytes, so a warp's accesses are contiguous). Before running
@@ -328,11 +342,64 @@ struct DotAsync {
     __device__ __forceinline__ static void cp_async16(uint32_t dst, const bf16 *src) {
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
     }
-    __device__ __forceinline__ static uint4 lds128(uint32_t addr) {
-        uint4 v;
-        asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr)
-                     : "memory");
-        return v;
+};
+
+// The tiled layout's weights through a ring of bulk copies per warp (the TMA unit's 1-D form): a
+// warp's unit, one 16-row band over [ka, kb), is (kb - ka) / 32 contiguous blocks of 1 KB, so
+// lane 0 copies it in chunks of S blocks into the warp's NB slots, each completing on its own
+// mbarrier; the lanes read their 16 bytes of rows g and g + 8 of each block from shared memory
+// (16 * lane and 512 + 16 * lane: a warp reads 512 contiguous bytes, no bank conflict) and
+// run the same mma_k32 as the register path. Once every lane has read a slot (__syncwarp after
+// its mmas took the registers) lane 0 refills it with chunk j + NB. The barriers live for one
+// unit: lane 0 initializes them at its start and invalidates them at its end.
+template <int S, int NB>
+struct DotBulk {
+    static constexpr bool kWarpgroups = false;  // mma.sync for every tile count
+    static constexpr bool kTiled = true;        // gemv passes lo = band + 8 lane, hi = lo + 256
+    static constexpr bool kStaged = false;      // gemv stages no input during the call
+    static constexpr int kSlotBytes = S * 1024;
+    static constexpr int kWarpBytes = NB * kSlotBytes;
+    static constexpr int kScratch = kWarps * (kWarpBytes + NB * 8);
+    __device__ __forceinline__ void operator()(const bf16 *lo, const bf16 *, uint32_t x, int ka, int kb, float c[4],
+                                               char *scratch) const {
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+        char *ring = scratch + warp * kWarpBytes;
+        uint64_t *bar = reinterpret_cast<uint64_t *>(scratch + kWarps * kWarpBytes) + warp * NB;
+        const char *src = reinterpret_cast<const char *>(lo - 8 * lane) + 32 * (size_t)ka;  // block ka / 32
+        const int blocks = (kb - ka) / 32, chunks = (blocks + S - 1) / S;
+        auto issue = [&](int j) {
+            const uint32_t bytes = (uint32_t)min(S, blocks - j * S) * 1024;
+            mbar_arrive_expect(&bar[j % NB], bytes);
+            bulk_load(ring + (j % NB) * kSlotBytes, src + (size_t)j * kSlotBytes, bytes, &bar[j % NB]);
+        };
+        if (lane == 0) {
+            for (int i = 0; i < NB; i++) mbar_init(&bar[i], 1);
+            mbar_init_fence();
+            for (int j = 0; j < NB && j < chunks; j++) issue(j);
+        }
+        __syncwarp();
+        const uint32_t ring_addr = smem_u32(ring) + 16 * lane;
+        float acc[kChains][4] = {};
+#pragma unroll 1
+        for (int j = 0; j < chunks; j++) {
+            mbar_wait(&bar[j % NB], (j / NB) & 1);
+            const uint32_t slot = ring_addr + (j % NB) * kSlotBytes;
+            const int n = min(S, blocks - j * S);
+#pragma unroll
+            for (int i = 0; i < S; i++)
+                if (i < n)
+                    mma_k32(acc[i % kChains], lds128(slot + i * 1024),
+                            lds128(slot + i * 1024 + 512), load_in_k32(x, ka + 32 * (j * S + i)));
+            __syncwarp();
+            if (lane == 0 && j + NB < chunks) issue(j + NB);
+        }
+        if (lane == 0)
+            for (int i = 0; i < NB; i++) mbar_inval(&bar[i]);
+        __syncwarp();
+#pragma unroll
+        for (int j = 0; j < kChains; j++)
+#pragma unroll
+            for (int v = 0; v < 4; v++) c[v] += acc[j][v];
     }
 };
 
@@ -407,6 +474,303 @@ __global__ void __launch_bounds__(kThreads, 1) mma_kernel(const __grid_constant_
     }
 }
 
+// ---- the device's read bandwidth, no GEMV (--read-peak) ---------------------------------------
+// Every thread of a full-occupancy grid reads 16-byte chunks by streaming loads, four in flight.
+__global__ void read_ldg(const uint4 *p, size_t n, uint32_t *sink) {
+    uint32_t acc = 0;
+    const size_t stride = (size_t)gridDim.x * blockDim.x;
+    size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    for (; i + 3 * stride < n; i += 4 * stride) {
+        uint4 v[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+            asm volatile("ld.global.cs.v4.u32 {%0,%1,%2,%3}, [%4];"
+                         : "=r"(v[j].x), "=r"(v[j].y), "=r"(v[j].z), "=r"(v[j].w)
+                         : "l"(p + i + j * stride));
+#pragma unroll
+        for (int j = 0; j < 4; j++) acc ^= v[j].x ^ v[j].y ^ v[j].z ^ v[j].w;
+    }
+    for (; i < n; i += stride) acc ^= p[i].x;
+    if (acc == 0x9e3779b9u) *sink = acc;  // keeps the loads
+}
+
+// One CTA per SM streams its contiguous share into a ring of kReadSlots x kReadChunk bytes of
+// shared memory by bulk copies, thread 0 refilling each slot as soon as it lands.
+constexpr int kReadSlots = 6, kReadChunk = 32 * 1024;
+__global__ void read_bulk(const char *p, size_t bytes) {
+    extern __shared__ __align__(1024) char smem_raw[];
+    uint64_t *bar = reinterpret_cast<uint64_t *>(smem_raw + kReadSlots * kReadChunk);
+    if (threadIdx.x != 0) return;
+    const size_t share = bytes / gridDim.x / kReadChunk * kReadChunk;
+    const char *src = p + blockIdx.x * share;
+    const int chunks = (int)(share / kReadChunk);
+    for (int i = 0; i < kReadSlots; i++) mbar_init(&bar[i], 1);
+    mbar_init_fence();
+    for (int j = 0; j < chunks + kReadSlots; j++) {
+        const int slot = j % kReadSlots;
+        if (j >= kReadSlots) mbar_wait(&bar[slot], ((j - kReadSlots) / kReadSlots) & 1);
+        if (j < chunks) {
+            mbar_arrive_expect(&bar[slot], kReadChunk);
+            bulk_load(smem_raw + slot * kReadChunk, src + (size_t)j * kReadChunk, kReadChunk, &bar[slot]);
+        }
+    }
+}
+
+// Best GB/s of `reps` launches of each read kernel over the pool (bytes read / time).
+void read_peak(const bf16 *pool, size_t bytes, int sms, int reps) {
+    uint32_t *sink = nullptr;
+    CHECK(cudaMalloc(&sink, sizeof(uint32_t)));
+    const int bulk_smem = kReadSlots * kReadChunk + kReadSlots * 8;
+    CHECK(cudaFuncSetAttribute(reinterpret_cast<const void *>(read_bulk), cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               bulk_smem));
+    cudaEvent_t e0, e1;
+    CHECK(cudaEventCreate(&e0));
+    CHECK(cudaEventCreate(&e1));
+    for (int kind = 0; kind < 2; kind++) {
+        double best = 1e30;
+        for (int r = 0; r < reps + 1; r++) {
+            CHECK(cudaEventRecord(e0));
+            if (kind == 0)
+                read_ldg<<<sms * 8, 256>>>(reinterpret_cast<const uint4 *>(pool), bytes / 16, sink);
+            else
+                read_bulk<<<sms, 32, bulk_smem>>>(reinterpret_cast<const char *>(pool), bytes);
+            CHECK(cudaEventRecord(e1));
+            CHECK(cudaEventSynchronize(e1));
+            CHECK(cudaGetLastError());
+            float ms = 0.f;
+            CHECK(cudaEventElapsedTime(&ms, e0, e1));
+            if (r > 0) best = std::min(best, (double)ms);
+        }
+        const double read = kind == 0 ? (double)bytes : (double)(bytes / sms / kReadChunk * kReadChunk) * sms;
+        std::printf("read peak  %-18s %7.1f GB/s  (%d CTAs of %d threads)\n",
+                    kind == 0 ? "ld.global.cs x4" : "bulk 6 x 32 KB", read / (best * 1e-3) / 1e9,
+                    kind == 0 ? sms * 8 : sms, kind == 0 ? 256 : 32);
+    }
+    CHECK(cudaFree(sink));
+}
+
+// The tiled layout's weights through one ring per CTA that runs on across its tiles (tiled/ringCxN):
+// N slots of C KB, each holding the same `kb` 32-wide k steps of every 16-row band of the tile
+// (C / bands KB a band, one bulk copy each); lane 0 of warp 0 fills them, before it consumes slot
+// c issuing up to slot c + N - 1 (which needs only slots before c released, as tma_gemv's ring), so
+// the next tile's weights stream while this one's last slots are consumed and its outputs written.
+// Warp w takes band w % bands and, with fewer than 8 bands, the part w / bands of each slot's
+// steps; parts add up in shared memory at the tile's end. Slot c's empty barrier takes the 8
+// warps' arrivals.
+template <int SlotKB, int NS>
+struct RingShape {
+    static constexpr int kSlotBytes = SlotKB * 1024;
+    int bands, parts, kb, slots;  // per tile
+    __device__ RingShape(int rows, int width) {
+        bands = rows / 16;
+        parts = bands >= kWarps ? 1 : kWarps / bands;
+        kb = SlotKB / bands;  // steps of a band per slot
+        slots = (width / 32 + kb - 1) / kb;
+    }
+};
+
+template <int SlotKB, int NS>
+__global__ void __launch_bounds__(kThreads, 1) ring_kernel(const __grid_constant__ Args a) {
+    extern __shared__ __align__(1024) char smem_raw[];
+    using Sh = RingShape<SlotKB, NS>;
+    char *ring = smem_raw;
+    bf16 *xs = reinterpret_cast<bf16 *>(ring + NS * Sh::kSlotBytes);
+    float *red = reinterpret_cast<float *>(reinterpret_cast<char *>(xs) + in_bytes(2048));  // [16][128]
+    uint64_t *full = reinterpret_cast<uint64_t *>(red + 2 * kWarps * 128), *empty = full + NS;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    if (a.ntiles <= 0) return;  // the warm-up launch
+    const Sh sh(a.rows, a.tiles[0].k1 - a.tiles[0].k0);
+    if (sh.bands > 2 * kWarps || sh.kb < 1) __trap();
+    const int my_tiles = a.ntiles > (int)blockIdx.x ? (a.ntiles - 1 - blockIdx.x) / gridDim.x + 1 : 0;
+    const uint32_t total = (uint32_t)my_tiles * sh.slots;
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < NS; i++) mbar_init(&full[i], 1), mbar_init(&empty[i], kWarps);
+        mbar_init_fence();
+    }
+    __syncthreads();
+    uint32_t issued = 0;
+    int issue_tile = -1;  // the tile whose descriptor thread 0 holds (one load a tile, not a slot)
+    BenchTile ibt{};
+    auto issue = [&](uint32_t c) {  // thread 0: slot c of the CTA's sequence
+        const int slot = c % NS;
+        if ((int)(c / sh.slots) != issue_tile) {
+            issue_tile = (int)(c / sh.slots);
+            ibt = a.tiles[blockIdx.x + issue_tile * gridDim.x];
+        }
+        if (c >= NS) mbar_wait(&empty[slot], ((c / NS) - 1) & 1);
+        const BenchTile &bt = ibt;
+        const int j = c % sh.slots, steps = (bt.k1 - bt.k0) / 32, s0 = j * sh.kb, n = min(sh.kb, steps - s0);
+        mbar_arrive_expect(&full[slot], (uint32_t)(sh.bands * n * 1024));
+        for (int b = 0; b < sh.bands; b++) {
+            const int r = 16 * b, mr = r < bt.rows[0] ? bt.row0[0] + r : bt.row0[1] + r - bt.rows[0];
+            const bf16 *src = a.tiled + bt.matrix * a.matrix_elems + tiled_index(mr, 0, a.K) + 16 * (bt.k0 + 32 * s0);
+            bulk_load(ring + slot * Sh::kSlotBytes + b * sh.kb * 1024, src, n * 1024, &full[slot]);
+        }
+    };
+    // the warp's bands (w, and w + 8 past 8 bands) and its part of each slot's steps
+    const int nmine = sh.bands > kWarps ? 2 : 1, band = warp % sh.bands, part = warp / sh.bands;
+    const bool busy = part < sh.parts;
+    const int p0 = sh.kb * part / sh.parts, p1 = sh.kb * (part + 1) / sh.parts;
+    uint32_t c = 0;
+    for (int k = 0; k < my_tiles; k++) {
+        const int i = blockIdx.x + k * gridDim.x;
+        const BenchTile bt = a.tiles[i];
+        wait_ready(a.ready);
+        stage_bf16(xs, a.x + bt.k0, a.batch, bt.k1 - bt.k0, kXStride);
+        __syncthreads();
+        const uint32_t x_lane = in_lane_addr(smem_u32(xs));
+        float acc[2][4] = {};  // one chain per band: acc[m][q & 1] in a rolled loop went to local memory
+        const int steps = (bt.k1 - bt.k0) / 32;
+        for (int j = 0; j < sh.slots; j++, c++) {
+            if (threadIdx.x == 0)
+                for (; issued < total && issued < c + NS; issued++) issue(issued);
+            const int slot = c % NS;
+            mbar_wait(&full[slot], (c / NS) & 1);
+            const int s0 = j * sh.kb;
+            if (busy)
+#pragma unroll
+                for (int m = 0; m < 2; m++) {
+                    if (m >= nmine) break;
+                    const uint32_t base =
+                        smem_u32(ring + slot * Sh::kSlotBytes + (band + m * kWarps) * sh.kb * 1024) + 16 * lane;
+#pragma unroll 1
+                    for (int q = p0; q < p1 && s0 + q < steps; q++)
+                        mma_k32(acc[m], lds128(base + q * 1024), lds128(base + q * 1024 + 512),
+                                load_in_k32(x_lane, 32 * (s0 + q)));
+                }
+            __syncwarp();
+            if (lane == 0) mbar_arrive(&empty[slot]);
+        }
+        for (int m = 0; m < nmine; m++) {
+            float *mine = red + (warp + m * kWarps) * 128;  // band warp + 8m (one band), or part `part` of band
+            *reinterpret_cast<float2 *>(mine + g * 8 + 2 * t) = make_float2(acc[m][0], acc[m][1]);
+            *reinterpret_cast<float2 *>(mine + (g + 8) * 8 + 2 * t) = make_float2(acc[m][2], acc[m][3]);
+        }
+        __syncthreads();
+        float *dst = a.out + (size_t)i * a.rows * 8;
+        for (int e = threadIdx.x; e < sh.bands * 128; e += kThreads) {
+            const int b = e / 128;  // its parts: red entries b + q * bands (one part past 4 bands)
+            float v = 0.f;
+            for (int q = 0; q < sh.parts; q++) v += red[(b + q * sh.bands) * 128 + e % 128];
+            dst[e] = v;
+        }
+        __syncthreads();
+    }
+}
+// The paths with a producer warp of their own (warp 8: 288 threads); their consumers meet at
+// named barrier 1.
+constexpr int kChunkThreads = kThreads + 32;
+__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(kThreads) : "memory"); }
+
+// tiled/pieceN: a ring of N slots of one bulk copy each, which every consumer warp reads (as
+// tiled/ringCxN) but whose copies are big: a tile's segments are contiguous in the tiled layout
+// (band after band, each its K range's 32-wide k steps of 1 KB), so slot p holds piece p of the
+// tile, a band's range cut into pieces of at most 32 KB (a band's pieces equal). Warp w takes the
+// piece's steps w, w + 8, ... into that band's accumulator; at the tile's end the 8 warps' sums
+// of each band add up in warp order through shared memory, 8 bands at a time. The producer is
+// warp 8's lane 0 (288 threads): it waits only on the slots' empty barriers, the consumers only
+// on their full ones, and every warp consumes every slot in order, so none waits on a slot two
+// phases ahead (which try_wait.parity cannot tell from the phase before).
+constexpr int kPieceMaxBytes = 32 * 1024, kPieceMaxBands = 16;
+template <int NS>
+__global__ void __launch_bounds__(kChunkThreads, 1) piece_kernel(const __grid_constant__ Args a) {
+    extern __shared__ __align__(1024) char smem_raw[];
+    char *ring = smem_raw;
+    bf16 *xs = reinterpret_cast<bf16 *>(ring + NS * kPieceMaxBytes);
+    float *red = reinterpret_cast<float *>(reinterpret_cast<char *>(xs) + in_bytes(2048));  // [8 warps][8 bands][128]
+    uint64_t *full = reinterpret_cast<uint64_t *>(red + kWarps * 8 * 128), *empty = full + NS;
+    if (a.ntiles <= 0) return;  // the warm-up launch
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int bands = a.rows / 16, band_steps = (a.tiles[0].k1 - a.tiles[0].k0) / 32;
+    const int per_band = (band_steps * 1024 + kPieceMaxBytes - 1) / kPieceMaxBytes, piece_steps = band_steps / per_band;
+    if (bands > kPieceMaxBands || piece_steps * per_band != band_steps) __trap();
+    const int pieces = bands * per_band;
+    const int my_tiles = a.ntiles > (int)blockIdx.x ? (a.ntiles - 1 - blockIdx.x) / gridDim.x + 1 : 0;
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < NS; i++) mbar_init(&full[i], 1), mbar_init(&empty[i], kWarps);
+        mbar_init_fence();
+    }
+    __syncthreads();
+    if (warp == kWarps) {  // the producer: piece after piece of the CTA's tiles
+        if (lane != 0) return;
+        const uint32_t total = (uint32_t)my_tiles * pieces;
+        int tile = -1;
+        BenchTile bt{};
+        for (uint32_t c = 0; c < total; c++) {
+            const int slot = c % NS;
+            if ((int)(c / pieces) != tile) tile = (int)(c / pieces), bt = a.tiles[blockIdx.x + tile * gridDim.x];
+            const int j = c % pieces, band = j / per_band, s0 = (j % per_band) * piece_steps;
+            const int r = 16 * band, mr = r < bt.rows[0] ? bt.row0[0] + r : bt.row0[1] + r - bt.rows[0];
+            if (c >= NS) mbar_wait(&empty[slot], ((c / NS) - 1) & 1);
+            mbar_arrive_expect(&full[slot], (uint32_t)piece_steps * 1024);
+            bulk_load(ring + slot * kPieceMaxBytes,
+                      a.tiled + bt.matrix * a.matrix_elems + tiled_index(mr, 0, a.K) + 16 * (bt.k0 + 32 * s0),
+                      piece_steps * 1024, &full[slot]);
+        }
+        for (uint32_t c = total > NS ? total - NS : 0; c < total; c++)  // its copies consumed before it exits
+            mbar_wait(&empty[c % NS], (c / NS) & 1);
+        return;
+    }
+    uint32_t c = 0;
+    for (int k = 0; k < my_tiles; k++) {
+        const int i = blockIdx.x + k * gridDim.x;
+        const BenchTile bt = a.tiles[i];
+        if (threadIdx.x == 0) {
+            cuda::atomic_ref<const uint32_t, cuda::thread_scope_device> ready(*a.ready);
+            while (ready.load(cuda::memory_order_acquire) < 1u) __nanosleep(20);
+        }
+        stage_bf16(xs, a.x + bt.k0, a.batch, bt.k1 - bt.k0, kXStride);
+        consumers_sync();
+        const uint32_t x_lane = in_lane_addr(smem_u32(xs));
+        float acc[kPieceMaxBands][4] = {};
+#pragma unroll
+        for (int b = 0; b < kPieceMaxBands; b++) {
+            if (b >= bands) break;
+#pragma unroll 1
+            for (int pp = 0; pp < per_band; pp++, c++) {
+                const uint32_t slot = c % NS;
+                mbar_wait(&full[slot], (c / NS) & 1);
+                const uint32_t src = smem_u32(ring + slot * kPieceMaxBytes) + 16 * lane;
+                const int s0 = pp * piece_steps;
+#pragma unroll 1
+                for (int q = warp; q < piece_steps; q += kWarps)
+                    mma_k32(acc[b], lds128(src + q * 1024), lds128(src + q * 1024 + 512),
+                            load_in_k32(x_lane, 32 * (s0 + q)));
+                __syncwarp();
+                if (lane == 0) mbar_arrive(&empty[slot]);
+            }
+        }
+        float *dst = a.out + (size_t)i * a.rows * 8;
+#pragma unroll
+        for (int b0 = 0; b0 < kPieceMaxBands; b0 += 8) {
+            if (b0 >= bands) break;
+#pragma unroll
+            for (int b = b0; b < b0 + 8; b++) {
+                float *mine = red + (warp * 8 + b - b0) * 128;
+                *reinterpret_cast<float2 *>(mine + g * 8 + 2 * t) = make_float2(acc[b][0], acc[b][1]);
+                *reinterpret_cast<float2 *>(mine + (g + 8) * 8 + 2 * t) = make_float2(acc[b][2], acc[b][3]);
+            }
+            consumers_sync();
+            for (int e = threadIdx.x; e < min(8, bands - b0) * 128; e += kThreads) {
+                float v = 0.f;
+                for (int w = 0; w < kWarps; w++) v += red[(w * 8 + e / 128) * 128 + e % 128];
+                dst[b0 * 128 + e] = v;
+            }
+            consumers_sync();
+        }
+    }
+}
+template <int NS>
+constexpr int piece_smem() {
+    return NS * kPieceMaxBytes + in_bytes(2048) + kWarps * 8 * 128 * 4 + 2 * NS * 8;
+}
+
+
+template <int SlotKB, int NS>
+constexpr int ring_smem() {
+    return NS * SlotKB * 1024 + in_bytes(2048) + 2 * kWarps * 128 * 4 + 2 * NS * 8;
+}
+
 __device__ __host__ inline uint32_t mix(uint64_t v) {
     v ^= v >> 33;
     v *= 0xff51afd7ed558ccdull;
@@ -454,6 +818,7 @@ struct Path {
     const char *name;
     Kernel kernel;
     int smem;
+    int threads = kThreads;
 };
 
 using RingBox64 = TmaRingT<4, 32 * 1024, kTallBoxRows>;
@@ -483,27 +848,41 @@ const Path kPaths[] = {
     {"tiled/engine", mma_kernel<false, DotBurst<8, kLoadEngine, 16>, true>, kSmem},
     {"tiled/cs", mma_kernel<false, DotBurst<8, kLoadCs, 16>, true>, kSmem},
     {"tiled/gemv", mma_kernel<false, TileDot, true>, kSmem},
+    {"tiled/bulk8x2", mma_kernel<false, DotBulk<8, 2>, true>, mma_smem(DotBulk<8, 2>::kScratch)},
+    {"tiled/bulk4x4", mma_kernel<false, DotBulk<4, 4>, true>, mma_smem(DotBulk<4, 4>::kScratch)},
+    {"tiled/bulk4x5", mma_kernel<false, DotBulk<4, 5>, true>, mma_smem(DotBulk<4, 5>::kScratch)},
+    {"tiled/bulk2x8", mma_kernel<false, DotBulk<2, 8>, true>, mma_smem(DotBulk<2, 8>::kScratch)},
+    {"tiled/bulk8x1", mma_kernel<false, DotBulk<8, 1>, true>, mma_smem(DotBulk<8, 1>::kScratch)},
+    {"tiled/ring64x2", ring_kernel<64, 2>, ring_smem<64, 2>()},
+    {"tiled/ring32x5", ring_kernel<32, 5>, ring_smem<32, 5>()},
+    {"tiled/ring16x8", ring_kernel<16, 8>, ring_smem<16, 8>()},
+    {"tiled/ring16x10", ring_kernel<16, 10>, ring_smem<16, 10>()},
+    {"tiled/piece3", piece_kernel<3>, piece_smem<3>(), kChunkThreads},
+    {"tiled/piece4", piece_kernel<4>, piece_smem<4>(), kChunkThreads},
+    {"tiled/piece5", piece_kernel<5>, piece_smem<5>(), kChunkThreads},
 };
 constexpr int kNumPaths = sizeof(kPaths) / sizeof(kPaths[0]);
 
 void launch(const Path &p, int grid, const Args &args) {
     void *params[] = {const_cast<Args *>(&args)};
-    CHECK(cudaLaunchKernel(reinterpret_cast<const void *>(p.kernel), dim3(grid), dim3(kThreads), params, p.smem, 0));
+    CHECK(cudaLaunchKernel(reinterpret_cast<const void *>(p.kernel), dim3(grid), dim3(p.threads), params, p.smem, 0));
 }
 
 }  // namespace
 
 int main(int argc, char **argv) {
-    bool quick = false;
+    bool quick = false, peak = false;
     std::vector<std::string> filters;
     int ctas = 0, pool_mib = 0;
     for (int i = 1; i < argc; i++) {
         if (!std::strcmp(argv[i], "--quick")) quick = true;
+        else if (!std::strcmp(argv[i], "--read-peak")) peak = true;
         else if (!std::strcmp(argv[i], "--filter") && i + 1 < argc) filters.push_back(argv[++i]);
         else if (!std::strcmp(argv[i], "--ctas") && i + 1 < argc && (ctas = std::atoi(argv[++i])) > 0) continue;
         else if (!std::strcmp(argv[i], "--pool-mib") && i + 1 < argc && (pool_mib = std::atoi(argv[++i])) > 0) continue;
         else {
-            std::fprintf(stderr, "usage: %s [--quick] [--filter SUBSTR]... [--ctas N] [--pool-mib M]\n", argv[0]);
+            std::fprintf(stderr, "usage: %s [--quick] [--read-peak] [--filter SUBSTR]... [--ctas N] [--pool-mib M]\n",
+                         argv[0]);
             return 2;
         }
     }
@@ -541,6 +920,7 @@ int main(int argc, char **argv) {
     const size_t pool_elems = pool_bytes / sizeof(bf16), matrix_elems = pool_elems / kMatrices;
     fill_random<<<4 * sms, 256>>>(pool, pool_elems, 1);
     CHECK(cudaGetLastError());
+    if (peak) read_peak(pool, pool_bytes, grid, std::max(reps, 5));
 
     std::vector<bf16> hx(8 * kXStride);
     for (size_t i = 0; i < hx.size(); i++)
