@@ -33,7 +33,8 @@ prediction of a change that shortens tasks without moving the DRAM traffic betwe
 profiled step) around the bytes it streams, at rates capped per executor, per SM and for DRAM
 (northmk.bench_fluid); with --executors N it replays a schedule built for N executors per SM
 against the profiled step's own schedule replayed the same way, and with --their-fixed F or
---what-if OP=CHANGE the step with its fixed parts (all, or one opcode's) changed.
+--what-if OP=CHANGE the step with its fixed parts (all, or one opcode's) changed, with
+--op-gbs OP=GBS one opcode's streams capped otherwise.
 `timeline` spreads each task's bytes (weights, KV pages) over its run: the bandwidth
 the step asked of DRAM in each bin, and per opcode the SMs that ran (northmk.bench_timeline).
 `switches` compares, per opcode, the run of its tasks that follow a task of their own
@@ -489,12 +490,18 @@ def critical(args) -> str:
                       hops_report(counter_hops(*check_times(times, schedule)))])
 
 
-def what_if_change(text: str) -> tuple[Opcode, float, float]:
-    """--what-if's OP=CHANGE: (opcode, factor, us added); CHANGE is +N / -N (us) or xF."""
-    name, sep, change = text.partition("=")
+def opcode_setting(option: str, text: str, what: str) -> tuple[Opcode, str]:
+    """An option's OP=VALUE (what: VALUE's name in the message): (the opcode, VALUE)."""
+    name, sep, value = text.partition("=")
     ops = [o.name for o in Opcode if o not in (Opcode.COMBINE, Opcode.DRAIN)]
     if not sep or name.upper() not in ops:
-        raise ValueError(f"--what-if {text!r}: want OP=CHANGE with OP one of {', '.join(ops)}")
+        raise ValueError(f"{option} {text!r}: want OP={what} with OP one of {', '.join(ops)}")
+    return Opcode[name.upper()], value
+
+
+def what_if_change(text: str) -> tuple[Opcode, float, float]:
+    """--what-if's OP=CHANGE: (opcode, factor, us added); CHANGE is +N / -N (us) or xF."""
+    op, change = opcode_setting("--what-if", text, "CHANGE")
     try:
         if change[:1] in ("x", "*"):
             factor, add = float(change[1:]), 0.0
@@ -504,7 +511,7 @@ def what_if_change(text: str) -> tuple[Opcode, float, float]:
         raise ValueError(f"--what-if {text!r}: CHANGE is microseconds to add (-1.5) or a factor (x0.7)") from None
     if not (math.isfinite(factor) and math.isfinite(add)) or factor < 0:
         raise ValueError(f"--what-if {text!r}: want a finite change, and a factor >= 0")
-    return Opcode[name.upper()], factor, add
+    return op, factor, add
 
 
 def simulate(args) -> str:
@@ -539,6 +546,18 @@ def simulate(args) -> str:
     return report
 
 
+def op_cap(text: str) -> tuple[Opcode, float]:
+    """--op-gbs's OP=GBS: (opcode, its executor cap in GB/s)."""
+    op, value = opcode_setting("--op-gbs", text, "GBS")
+    try:
+        gbs = float(value)
+    except ValueError:
+        raise ValueError(f"--op-gbs {text!r}: GBS is a rate in GB/s (60)") from None
+    if not math.isfinite(gbs) or gbs <= 0:
+        raise ValueError(f"--op-gbs {text!r}: want a finite rate > 0")
+    return op, gbs
+
+
 def fluid(args) -> str:
     """The report of `fluid`: the profiled step's schedule replayed with shared bandwidth, and with
     --executors N, --their-* or --what-if a changed step replayed the same way (northmk.bench_fluid)."""
@@ -552,6 +571,7 @@ def fluid(args) -> str:
     if min(args.hop_us, args.turn_us, args.min_us, args.their_executor_gbs, args.their_fixed) < 0:
         raise ValueError("--hop-us, --turn-us, --min-us, --their-executor-gbs and --their-fixed must be >= 0")
     changes = [what_if_change(c) for c in args.what_if]
+    caps = [op_cap(c) for c in args.op_gbs]
     times, schedule, which, config, context = profiled_run(args)
     times = check_times(times, schedule)[0]
     nbytes = task_bytes(config, schedule, context, times, args.min_us)
@@ -566,21 +586,25 @@ def fluid(args) -> str:
         for op, times_x, add in changes if changed else []:
             f[ops == op] = np.maximum(f[ops == op] * times_x + add * 1e3, 0.0)
         n = schedule_bytes(config, sched, context, used)
-        return step_us(replay(sched, f, n, args.sms, executors, executor_gbs, **rates))
+        cap = np.full(len(ops), executor_gbs)
+        for op, gbs in caps if changed else []:
+            cap[ops == op] = gbs
+        return step_us(replay(sched, f, n, args.sms, executors, cap, **rates))
 
     own = play(schedule, 1, args.executor_gbs)
     lines = [which,
              "  fixed parts (us): " + ", ".join(f"{Opcode(op).name} {ns / 1e3:.2f}" for op, ns in sorted(fixed.items())),
              f"  measured {step_us(times):.1f} us; its schedule replayed with shared bandwidth {own:.1f} us "
              f"({100 * (own / step_us(times) - 1):+.1f}%)"]
-    if args.executors > 1 or args.their_fixed != 1.0 or args.their_executor_gbs or changes:
+    if args.executors > 1 or args.their_fixed != 1.0 or args.their_executor_gbs or changes or caps:
         n_exec, gbs = args.executors, args.their_executor_gbs or args.executor_gbs
         other = schedule if n_exec == 1 else \
             Schedule(config, args.sms * n_exec, [context_bucket(context)] * schedule.plan["batch"])
         theirs = play(other, n_exec, gbs, args.their_fixed, True)
         lines.append(f"  {n_exec} executor{'s' if n_exec > 1 else ''} per SM (a schedule for {args.sms * n_exec} "
                      f"lists, each streaming at most {gbs:g} GB/s, fixed parts x{args.their_fixed:g}"
-                     f"{''.join(', ' + c for c in args.what_if)}): {theirs:.1f} us, "
+                     f"{''.join(', ' + c for c in args.what_if)}"
+                     f"{''.join(f', {op.name} at {gbs:g} GB/s' for op, gbs in caps)}): {theirs:.1f} us, "
                      f"{100 * (own / theirs - 1):+.1f}% tok/s against the replay of one")
     return "\n".join(lines)
 
@@ -677,6 +701,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="routed expert tasks that ran shorter read nothing (an unused slot's)")
     f.add_argument("--what-if", action="append", default=[], metavar="OP=CHANGE",
                    help="in the compared replay, every OP task's fixed part changed: -0.5 (us) or x0.5 (a factor)")
+    f.add_argument("--op-gbs", action="append", default=[], metavar="OP=GBS",
+                   help="in the compared replay, an OP task's executor streams at most GBS GB/s (the SM's "
+                        "cap still holds); repeat for several opcodes")
     t = step_parser(sub, "timeline", "the bandwidth a profiled step asked of DRAM over time, and who ran")
     t.add_argument("--bin-us", type=float, default=5.0, help="width of a bin of time")
     t.add_argument("--layer", type=int, help="the layer whose bins to list (default: the middle one)")

@@ -75,16 +75,18 @@ def schedule_bytes(config: ModelConfig, schedule, context: int, used: set[tuple[
     return out
 
 
-def replay(schedule, fixed_ns, nbytes, sms: int, executors: int = 1, executor_bpns: float = 45.0,
+def replay(schedule, fixed_ns, nbytes, sms: int, executors: int = 1, executor_bpns=45.0,
            sm_bpns: float = 45.0, dram_bpns: float = 4240.0, hop_ns: float = 500.0,
            turn_ns: float = 700.0) -> np.ndarray:
     """Task times of one step of `schedule` (built for sms * executors lists) in the kernel's
     format ([tasks less DRAIN entries, 4]: began waiting, ran, ended in ns, op | layer << 8 |
     list << 16). fixed_ns[i] and nbytes[i]: task i's fixed part and bytes (DRAIN entries'
-    ignored). Rates in bytes per ns (= GB/s). RuntimeError on a deadlock."""
+    ignored); executor_bpns: an executor's cap, one for all tasks or task i's at [i]. Rates in
+    bytes per ns (= GB/s). RuntimeError on a deadlock."""
     if schedule.num_sms != sms * executors:
         raise ValueError(f"the schedule has {schedule.num_sms} lists, not {sms} SMs x {executors} executors")
-    if min(executor_bpns, sm_bpns, dram_bpns) <= 0 or min(hop_ns, turn_ns) < 0:
+    task_cap = np.broadcast_to(np.asarray(executor_bpns, dtype=np.float64), (len(schedule.tasks),))
+    if min(task_cap.min(initial=np.inf), sm_bpns, dram_bpns) <= 0 or min(hop_ns, turn_ns) < 0:
         raise ValueError("the rates must be > 0 and the hop and turn >= 0")
     tasks = schedule.tasks
     ops, waits, targets, signals = (tasks[f].astype(int).tolist() for f in ("op", "wait", "target", "signal"))
@@ -96,6 +98,7 @@ def replay(schedule, fixed_ns, nbytes, sms: int, executors: int = 1, executor_bp
     free = [0.0] * n_exec  # when the executor ended its last task
     first = [True] * n_exec
     left = np.zeros(n_exec)  # bytes left to stream
+    cap = np.zeros(n_exec)  # the streaming task's executor cap
     streaming = np.zeros(n_exec, dtype=bool)
     reached: dict[int, list[float]] = defaultdict(list)  # counter -> when it reached 1, 2, ...
     blocked: dict[int, list[int]] = defaultdict(list)
@@ -147,7 +150,7 @@ def replay(schedule, fixed_ns, nbytes, sms: int, executors: int = 1, executor_bp
         rates = np.zeros(n_exec)
         if streaming.any():
             per_sm = np.bincount(sm_of[streaming], minlength=sms)
-            rates[streaming] = np.minimum(executor_bpns, sm_bpns / per_sm[sm_of[streaming]])
+            rates[streaming] = np.minimum(cap[streaming], sm_bpns / per_sm[sm_of[streaming]])
             total = rates.sum()
             if total > dram_bpns:
                 rates *= dram_bpns / total
@@ -165,7 +168,7 @@ def replay(schedule, fixed_ns, nbytes, sms: int, executors: int = 1, executor_bp
             _, x, before = heapq.heappop(timed)
             i = current[x]
             if before and nbytes[i] > 0:
-                left[x], streaming[x] = float(nbytes[i]), True
+                left[x], cap[x], streaming[x] = float(nbytes[i]), task_cap[i], True
             elif before:
                 heapq.heappush(timed, (now + fixed_ns[i] / 2, x, False))
             else:

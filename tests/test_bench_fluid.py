@@ -62,6 +62,24 @@ def test_dram_and_sm_caps_bound_the_step_from_below():
     assert step_us(wider) < step_us(times)
 
 
+def test_a_cap_per_task_is_each_tasks_own():
+    schedule = schedule_of(4)
+    fixed, nbytes = parts(schedule)
+    one = replay(schedule, fixed, nbytes, 4, 1, 40.0, WIDE, 100.0, 300, 400)
+    same = replay(schedule, fixed, nbytes, 4, 1, np.full(len(schedule.tasks), 40.0), WIDE, 100.0, 300, 400)
+    assert (one == same).all()
+    ops = schedule.tasks["op"]
+    norm = np.where(ops == Opcode.NORM, 5.0, 40.0)  # NORM tasks stream nothing: their cap is never used
+    assert (replay(schedule, fixed, nbytes, 4, 1, norm, WIDE, 100.0, 300, 400) == one).all()
+    qkv = np.where(ops == Opcode.QKV, 4.0, 40.0)  # QKV's streams at a tenth: its tasks run longer
+    slow = replay(schedule, fixed, nbytes, 4, 1, qkv, WIDE, 100.0, 300, 400)
+    mine = schedule.tasks[ops != Opcode.DRAIN]["op"] == Opcode.QKV
+    run = lambda t: t[:, 2] - t[:, 1]  # noqa: E731
+    assert (run(slow)[mine] > run(one)[mine]).all()
+    with pytest.raises(ValueError, match="rates must be > 0"):
+        replay(schedule, fixed, nbytes, 4, 1, np.where(ops == Opcode.QKV, 0.0, 40.0))
+
+
 def test_fixed_parts_are_the_run_less_the_stream_at_the_cap():
     schedule = schedule_of(4)
     fixed, nbytes = parts(schedule)
@@ -131,6 +149,13 @@ def test_fluid_command_compares_a_schedule_for_two_executors_per_sm(tmp_path, ca
     assert float(last.split("us, ")[1].split("%")[0]) > 0
     assert bench.main(step + ["--what-if", "FOO=x2"]) == 2
     assert "want OP=CHANGE" in capsys.readouterr().err
+    assert bench.main(step + ["--sm-gbs", "1000", "--op-gbs", "GATE_UP=90", "--op-gbs", "down=90"]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert "fixed parts x1, GATE_UP at 90 GB/s, DOWN at 90 GB/s)" in last
+    assert float(last.split("us, ")[1].split("%")[0]) > 0  # faster expert streams: a shorter step
+    for bad, says in (("FOO=9", "want OP=GBS"), ("QKV=fast", "a rate in GB/s"), ("QKV=0", "a finite rate > 0")):
+        assert bench.main(step + ["--op-gbs", bad]) == 2
+        assert says in capsys.readouterr().err
     assert bench.main(step + ["--executors", "0"]) == 2
     assert "--executors must be >= 1" in capsys.readouterr().err
     assert bench.main(step + ["--hop-us", "-1"]) == 2
