@@ -560,7 +560,8 @@ def op_cap(text: str) -> tuple[Opcode, float]:
 
 def fluid(args) -> str:
     """The report of `fluid`: the profiled step's schedule replayed with shared bandwidth, and with
-    --executors N, --their-* or --what-if a changed step replayed the same way (northmk.bench_fluid)."""
+    --executors N, --their-*, --what-if or --op-gbs a changed step replayed the same way
+    (northmk.bench_fluid)."""
     from .bench_critical import check_times, context_bucket
     from .bench_fluid import fixed_parts, replay, schedule_bytes, step_us, used_slots
     from .bench_timeline import task_bytes
@@ -587,8 +588,8 @@ def fluid(args) -> str:
             f[ops == op] = np.maximum(f[ops == op] * times_x + add * 1e3, 0.0)
         n = schedule_bytes(config, sched, context, used)
         cap = np.full(len(ops), executor_gbs)
-        for op, gbs in caps if changed else []:
-            cap[ops == op] = gbs
+        for op, rate in caps if changed else []:
+            cap[ops == op] = rate
         return step_us(replay(sched, f, n, args.sms, executors, cap, **rates))
 
     own = play(schedule, 1, args.executor_gbs)
@@ -604,7 +605,7 @@ def fluid(args) -> str:
         lines.append(f"  {n_exec} executor{'s' if n_exec > 1 else ''} per SM (a schedule for {args.sms * n_exec} "
                      f"lists, each streaming at most {gbs:g} GB/s, fixed parts x{args.their_fixed:g}"
                      f"{''.join(', ' + c for c in args.what_if)}"
-                     f"{''.join(f', {op.name} at {gbs:g} GB/s' for op, gbs in caps)}): {theirs:.1f} us, "
+                     f"{''.join(f', {op.name} at {rate:g} GB/s' for op, rate in caps)}): {theirs:.1f} us, "
                      f"{100 * (own / theirs - 1):+.1f}% tok/s against the replay of one")
     return "\n".join(lines)
 
