@@ -34,7 +34,8 @@ profiled step) around the bytes it streams, at rates capped per executor, per SM
 (northmk.bench_fluid); with --executors N it replays a schedule built for N executors per SM
 against the profiled step's own schedule replayed the same way, and with --their-fixed F or
 --what-if OP=CHANGE the step with its fixed parts (all, or one opcode's) changed, with
---op-gbs OP=GBS one opcode's streams capped otherwise.
+--op-gbs OP=GBS one opcode's streams capped otherwise, with --ahead-kb K a task's first K KB
+streamed while it waits.
 `timeline` spreads each task's bytes (weights, KV pages) over its run: the bandwidth
 the step asked of DRAM in each bin, and per opcode the SMs that ran (northmk.bench_timeline).
 `switches` compares, per opcode, the run of its tasks that follow a task of their own
@@ -490,13 +491,24 @@ def critical(args) -> str:
                       hops_report(counter_hops(*check_times(times, schedule)))])
 
 
+TASK_OPCODES = [o.name for o in Opcode if o not in (Opcode.COMBINE, Opcode.DRAIN)]
+
+
 def opcode_setting(option: str, text: str, what: str) -> tuple[Opcode, str]:
     """An option's OP=VALUE (what: VALUE's name in the message): (the opcode, VALUE)."""
     name, sep, value = text.partition("=")
-    ops = [o.name for o in Opcode if o not in (Opcode.COMBINE, Opcode.DRAIN)]
-    if not sep or name.upper() not in ops:
-        raise ValueError(f"{option} {text!r}: want OP={what} with OP one of {', '.join(ops)}")
+    if not sep or name.upper() not in TASK_OPCODES:
+        raise ValueError(f"{option} {text!r}: want OP={what} with OP one of {', '.join(TASK_OPCODES)}")
     return Opcode[name.upper()], value
+
+
+def opcode_list(option: str, text: str) -> list[Opcode]:
+    """An option's OP,OP,...: the opcodes."""
+    names = [n.strip().upper() for n in text.split(",")]
+    bad = [n for n in names if n not in TASK_OPCODES]
+    if bad:
+        raise ValueError(f"{option} {text!r}: {bad[0] or 'an empty name'} is not one of {', '.join(TASK_OPCODES)}")
+    return [Opcode[n] for n in names]
 
 
 def what_if_change(text: str) -> tuple[Opcode, float, float]:
@@ -558,10 +570,18 @@ def op_cap(text: str) -> tuple[Opcode, float]:
     return op, gbs
 
 
+def ahead_label(args, ops) -> str:
+    """The compared replay's streaming ahead of waits, as the fluid report names it ('' for none)."""
+    if not args.ahead_kb:
+        return ""
+    return (f", {args.ahead_kb:g} KB ahead of a wait ({'/'.join(op.name for op in ops)}), "
+            f"{args.ahead_saves_us:g} us less fixed part")
+
+
 def fluid(args) -> str:
     """The report of `fluid`: the profiled step's schedule replayed with shared bandwidth, and with
-    --executors N, --their-*, --what-if or --op-gbs a changed step replayed the same way
-    (northmk.bench_fluid)."""
+    --executors N, --their-*, --what-if, --op-gbs or --ahead-kb a changed step replayed the same
+    way (northmk.bench_fluid)."""
     from .bench_critical import check_times, context_bucket
     from .bench_fluid import fixed_parts, replay, schedule_bytes, step_us, used_slots
     from .bench_timeline import task_bytes
@@ -573,6 +593,9 @@ def fluid(args) -> str:
         raise ValueError("--hop-us, --turn-us, --min-us, --their-executor-gbs and --their-fixed must be >= 0")
     changes = [what_if_change(c) for c in args.what_if]
     caps = [op_cap(c) for c in args.op_gbs]
+    ahead_ops = opcode_list("--ahead-ops", args.ahead_ops)
+    if args.ahead_kb < 0 or args.ahead_saves_us < 0:
+        raise ValueError("--ahead-kb and --ahead-saves-us must be >= 0")
     times, schedule, which, config, context = profiled_run(args)
     times = check_times(times, schedule)[0]
     nbytes = task_bytes(config, schedule, context, times, args.min_us)
@@ -590,14 +613,16 @@ def fluid(args) -> str:
         cap = np.full(len(ops), executor_gbs)
         for op, rate in caps if changed else []:
             cap[ops == op] = rate
-        return step_us(replay(sched, f, n, args.sms, executors, cap, **rates))
+        ahead = dict(ahead=np.isin(ops, ahead_ops), ahead_bytes=args.ahead_kb * 1024.0,
+                     ahead_saves_ns=args.ahead_saves_us * 1e3) if changed else {}
+        return step_us(replay(sched, f, n, args.sms, executors, cap, **rates, **ahead))
 
     own = play(schedule, 1, args.executor_gbs)
     lines = [which,
              "  fixed parts (us): " + ", ".join(f"{Opcode(op).name} {ns / 1e3:.2f}" for op, ns in sorted(fixed.items())),
              f"  measured {step_us(times):.1f} us; its schedule replayed with shared bandwidth {own:.1f} us "
              f"({100 * (own / step_us(times) - 1):+.1f}%)"]
-    if args.executors > 1 or args.their_fixed != 1.0 or args.their_executor_gbs or changes or caps:
+    if args.executors > 1 or args.their_fixed != 1.0 or args.their_executor_gbs or changes or caps or args.ahead_kb:
         n_exec, gbs = args.executors, args.their_executor_gbs or args.executor_gbs
         other = schedule if n_exec == 1 else \
             Schedule(config, args.sms * n_exec, [context_bucket(context)] * schedule.plan["batch"])
@@ -605,7 +630,8 @@ def fluid(args) -> str:
         lines.append(f"  {n_exec} executor{'s' if n_exec > 1 else ''} per SM (a schedule for {args.sms * n_exec} "
                      f"lists, each streaming at most {gbs:g} GB/s, fixed parts x{args.their_fixed:g}"
                      f"{''.join(', ' + c for c in args.what_if)}"
-                     f"{''.join(f', {op.name} at {rate:g} GB/s' for op, rate in caps)}): {theirs:.1f} us, "
+                     f"{''.join(f', {op.name} at {rate:g} GB/s' for op, rate in caps)}"
+                     f"{ahead_label(args, ahead_ops)}): {theirs:.1f} us, "
                      f"{100 * (own / theirs - 1):+.1f}% tok/s against the replay of one")
     return "\n".join(lines)
 
@@ -702,6 +728,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="routed expert tasks that ran shorter read nothing (an unused slot's)")
     f.add_argument("--what-if", action="append", default=[], metavar="OP=CHANGE",
                    help="in the compared replay, every OP task's fixed part changed: -0.5 (us) or x0.5 (a factor)")
+    f.add_argument("--ahead-kb", type=float, default=0.0,
+                   help="in the compared replay, an executor whose task waits streams up to this many KB of "
+                        "it meanwhile (a producer filling a ring that deep), if its opcode is in --ahead-ops")
+    f.add_argument("--ahead-ops", default="QKV,ROUTER,OPROJ,DOWN,LM_HEAD", metavar="OP,OP",
+                   help="the opcodes whose weights do not depend on what they wait for")
+    f.add_argument("--ahead-saves-us", type=float, default=0.0,
+                   help="a task that streamed ahead has this much less fixed part (its first round trip)")
     f.add_argument("--op-gbs", action="append", default=[], metavar="OP=GBS",
                    help="in the compared replay, an OP task's executor streams at most GBS GB/s (the SM's "
                         "cap still holds); repeat for several opcodes")

@@ -77,17 +77,24 @@ def schedule_bytes(config: ModelConfig, schedule, context: int, used: set[tuple[
 
 def replay(schedule, fixed_ns, nbytes, sms: int, executors: int = 1, executor_bpns=45.0,
            sm_bpns: float = 45.0, dram_bpns: float = 4240.0, hop_ns: float = 500.0,
-           turn_ns: float = 700.0) -> np.ndarray:
+           turn_ns: float = 700.0, ahead=None, ahead_bytes: float = 0.0, ahead_saves_ns: float = 0.0) -> np.ndarray:
     """Task times of one step of `schedule` (built for sms * executors lists) in the kernel's
     format ([tasks less DRAIN entries, 4]: began waiting, ran, ended in ns, op | layer << 8 |
     list << 16). fixed_ns[i] and nbytes[i]: task i's fixed part and bytes (DRAIN entries'
     ignored); executor_bpns: an executor's cap, one for all tasks or task i's at [i]. Rates in
-    bytes per ns (= GB/s). RuntimeError on a deadlock."""
+    bytes per ns (= GB/s). With ahead (task i's at [i]: its bytes do not depend on what it waits
+    for), an executor whose task must wait streams up to ahead_bytes of it from the moment it
+    takes the task until its bytes are due (a producer filling a ring that deep), the rest then; a
+    task that streamed any ahead has its fixed part less ahead_saves_ns (its first round trip).
+    RuntimeError on a deadlock."""
     if schedule.num_sms != sms * executors:
         raise ValueError(f"the schedule has {schedule.num_sms} lists, not {sms} SMs x {executors} executors")
     task_cap = np.broadcast_to(np.asarray(executor_bpns, dtype=np.float64), (len(schedule.tasks),))
     if min(task_cap.min(initial=np.inf), sm_bpns, dram_bpns) <= 0 or min(hop_ns, turn_ns) < 0:
         raise ValueError("the rates must be > 0 and the hop and turn >= 0")
+    if min(ahead_bytes, ahead_saves_ns) < 0:
+        raise ValueError("the bytes streamed ahead and the time it saves must be >= 0")
+    may_ahead = np.zeros(len(schedule.tasks), dtype=bool) if ahead is None else np.asarray(ahead, dtype=bool)
     tasks = schedule.tasks
     ops, waits, targets, signals = (tasks[f].astype(int).tolist() for f in ("op", "wait", "target", "signal"))
     layers = tasks["layer"].astype(int).tolist()
@@ -100,6 +107,9 @@ def replay(schedule, fixed_ns, nbytes, sms: int, executors: int = 1, executor_bp
     left = np.zeros(n_exec)  # bytes left to stream
     cap = np.zeros(n_exec)  # the streaming task's executor cap
     streaming = np.zeros(n_exec, dtype=bool)
+    prefetching = np.zeros(n_exec, dtype=bool)  # streaming ahead of its task's wait
+    early = np.zeros(n_exec)  # bytes of the current task streamed ahead (the target while prefetching)
+    fixed_now = np.zeros(n_exec)  # the current task's fixed part
     reached: dict[int, list[float]] = defaultdict(list)  # counter -> when it reached 1, 2, ...
     blocked: dict[int, list[int]] = defaultdict(list)
     rows = np.zeros((len(tasks), 4), dtype=np.int64)
@@ -109,9 +119,10 @@ def replay(schedule, fixed_ns, nbytes, sms: int, executors: int = 1, executor_bp
 
     def start(x: int, ready: float) -> None:
         i = current[x]
+        fixed_now[x] = max(0.0, fixed_ns[i] - (ahead_saves_ns if early[x] > 0 else 0.0))
         begin = max(free[x] + (0.0 if first[x] else turn_ns), ready)
         rows[i, 0], rows[i, 1] = int(free[x]), int(begin)
-        heapq.heappush(timed, (begin + fixed_ns[i] / 2, x, True))
+        heapq.heappush(timed, (begin + fixed_now[x] / 2, x, True))
 
     def take(x: int) -> None:
         i = lists.next(x)
@@ -121,11 +132,15 @@ def replay(schedule, fixed_ns, nbytes, sms: int, executors: int = 1, executor_bp
         w, target = waits[i], targets[i]
         if w >= 0 and target > len(reached[w]):
             blocked[w].append(x)
+            if may_ahead[i] and ahead_bytes > 0 and nbytes[i] > 0:
+                early[x] = left[x] = min(ahead_bytes, float(nbytes[i]))
+                cap[x], prefetching[x], streaming[x] = task_cap[i], True, True
         else:
             start(x, reached[w][target - 1] + hop_ns if w >= 0 and target > 0 else 0.0)
 
     def end(x: int, now: float) -> None:
         i = current[x]
+        early[x] = 0.0
         rows[i, 2], rows[i, 3] = int(now), ops[i] | layers[i] << 8 | x << 16
         placed[i] = True
         first[x], free[x] = False, now
@@ -163,14 +178,21 @@ def replay(schedule, fixed_ns, nbytes, sms: int, executors: int = 1, executor_bp
         now = t
         for x in np.flatnonzero(streaming & (left <= 1e-3)).tolist():  # bytes: what rounding leaves
             streaming[x] = False
-            heapq.heappush(timed, (now + fixed_ns[current[x]] / 2, x, False))
+            if prefetching[x]:  # streamed all it may ahead: it waits with its ring full
+                prefetching[x], left[x] = False, 0.0
+            else:
+                heapq.heappush(timed, (now + fixed_now[x] / 2, x, False))
         while timed and timed[0][0] <= now:
             _, x, before = heapq.heappop(timed)
             i = current[x]
-            if before and nbytes[i] > 0:
-                left[x], cap[x], streaming[x] = float(nbytes[i]), task_cap[i], True
+            rest = float(nbytes[i]) - early[x]
+            if before and prefetching[x]:  # still filling its ring: the stream runs on into the rest
+                left[x] += rest
+                prefetching[x] = False
+            elif before and rest > 1e-3:
+                left[x], cap[x], streaming[x] = rest, task_cap[i], True
             elif before:
-                heapq.heappush(timed, (now + fixed_ns[i] / 2, x, False))
+                heapq.heappush(timed, (now + fixed_now[x] / 2, x, False))
             else:
                 end(x, now)
     work = np.array([op != Opcode.DRAIN for op in ops])

@@ -80,6 +80,37 @@ def test_a_cap_per_task_is_each_tasks_own():
         replay(schedule, fixed, nbytes, 4, 1, np.where(ops == Opcode.QKV, 0.0, 40.0))
 
 
+def test_a_task_that_waits_streams_ahead_what_its_ring_holds():
+    schedule = schedule_of(4)
+    fixed, nbytes = parts(schedule)
+    work = schedule.tasks["op"] != Opcode.DRAIN
+    plain = replay(schedule, fixed, nbytes, 4, 1, 40.0, WIDE, WIDE, 300, 400)
+    none = np.zeros(len(schedule.tasks), dtype=bool)
+    assert (replay(schedule, fixed, nbytes, 4, 1, 40.0, WIDE, WIDE, 300, 400, none, 1e9, 500.0) == plain).all()
+    everyone = np.ones(len(schedule.tasks), dtype=bool)
+    ahead = replay(schedule, fixed, nbytes, 4, 1, 40.0, WIDE, WIDE, 300, 400, everyone, 1e12, 0.0)
+    # the stream ahead runs from the task's take to its bytes' turn, half its fixed part in: a task
+    # that waited (longer than a turn and a hop: its counter was not there when it was taken) and
+    # whose wait and that half outlasted its whole stream runs only its fixed part
+    blocked = lambda t: t[:, 1] - t[:, 0] > 300 + 400  # noqa: E731
+    run, waited = ahead[:, 2] - ahead[:, 1], ahead[:, 1] - ahead[:, 0] + fixed[work] / 2
+    done = blocked(ahead) & (nbytes[work] > 0) & (waited >= nbytes[work] / 40.0 + 16)
+    assert done.sum() > 3
+    assert np.abs(run[done] - fixed[work][done]).max() <= 16
+    # a bounded ring: at most its bytes ahead, the rest after the wait
+    ring = 20_000.0
+    part = replay(schedule, fixed, nbytes, 4, 1, 40.0, WIDE, WIDE, 300, 400, everyone, ring, 0.0)
+    run, waited = part[:, 2] - part[:, 1], part[:, 1] - part[:, 0] + fixed[work] / 2
+    full = blocked(part) & (nbytes[work] > ring) & (waited >= ring / 40.0 + 16)
+    assert full.sum() > 3
+    assert np.abs(run[full] - fixed[work][full] - (nbytes[work][full] - ring) / 40.0).max() <= 16
+    # and the first round trip saved where it streamed ahead
+    saved = replay(schedule, fixed, nbytes, 4, 1, 40.0, WIDE, WIDE, 300, 400, everyone, ring, 400.0)
+    assert step_us(saved) < step_us(part)
+    with pytest.raises(ValueError, match="streamed ahead"):
+        replay(schedule, fixed, nbytes, 4, 1, 40.0, WIDE, WIDE, 300, 400, everyone, -1.0)
+
+
 def test_fixed_parts_are_the_run_less_the_stream_at_the_cap():
     schedule = schedule_of(4)
     fixed, nbytes = parts(schedule)
@@ -155,6 +186,13 @@ def test_fluid_command_compares_a_schedule_for_two_executors_per_sm(tmp_path, ca
     assert float(last.split("us, ")[1].split("%")[0]) > 0  # faster expert streams: a shorter step
     for bad, says in (("FOO=9", "want OP=GBS"), ("QKV=fast", "a rate in GB/s"), ("QKV=0", "a finite rate > 0")):
         assert bench.main(step + ["--op-gbs", bad]) == 2
+        assert says in capsys.readouterr().err
+    assert bench.main(step + ["--ahead-kb", "32", "--ahead-ops", "qkv,Router", "--ahead-saves-us", "1"]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert "fixed parts x1, 32 KB ahead of a wait (QKV/ROUTER), 1 us less fixed part)" in last
+    for bad, says in ((["--ahead-kb", "-1"], "must be >= 0"), (["--ahead-ops", "QKV,FOO"], "FOO is not one of"),
+                      (["--ahead-ops", "QKV,"], "an empty name is not one of")):
+        assert bench.main(step + bad) == 2
         assert says in capsys.readouterr().err
     assert bench.main(step + ["--executors", "0"]) == 2
     assert "--executors must be >= 1" in capsys.readouterr().err
