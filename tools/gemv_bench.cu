@@ -121,13 +121,29 @@ __device__ __forceinline__ char *aligned_smem(char *p) {
     return reinterpret_cast<char *>((reinterpret_cast<uintptr_t>(p) + 1023) & ~uintptr_t(1023));
 }
 
-// As the megakernel's wait_for: thread 0 polls an acquire load, then a barrier.
-__device__ __forceinline__ void wait_ready(const uint32_t *counter) {
+// As the megakernel's wait_for: thread 0 polls an acquire load (poll_ready), then a barrier.
+__device__ __forceinline__ void poll_ready(const uint32_t *counter) {
     if (threadIdx.x == 0) {
         cuda::atomic_ref<const uint32_t, cuda::thread_scope_device> c(*counter);
         while (c.load(cuda::memory_order_acquire) < 1u) __nanosleep(20);
     }
+}
+__device__ __forceinline__ void wait_ready(const uint32_t *counter) {
+    poll_ready(counter);
     __syncthreads();
+}
+
+// The matrix row of a tile's row r (segment 0's rows first, then segment 1's).
+__device__ __forceinline__ int tile_row(const BenchTile &bt, int r) {
+    return r < bt.rows[0] ? bt.row0[0] + r : bt.row0[1] + r - bt.rows[0];
+}
+// In the tiled copy: row r of tile bt (r % 16 == 0: a band's start) at its 32-wide k step s.
+__device__ __forceinline__ const bf16 *tiled_at(const Args &a, const BenchTile &bt, int r, int s) {
+    return a.tiled + bt.matrix * a.matrix_elems + tiled_index(tile_row(bt, r), 0, a.K) + 16 * (bt.k0 + 32 * s);
+}
+// The tiles CTA blockIdx.x takes: blockIdx.x, + gridDim.x, ...
+__device__ __forceinline__ int cta_tiles(const Args &a) {
+    return a.ntiles > (int)blockIdx.x ? (a.ntiles - 1 - (int)blockIdx.x) / (int)gridDim.x + 1 : 0;
 }
 
 __device__ __forceinline__ void write_out(const float *s, float *g, int n) {
@@ -448,7 +464,7 @@ __global__ void __launch_bounds__(kThreads, 1) mma_kernel(const __grid_constant_
     extern __shared__ __align__(1024) char smem_raw[];
     for (int i = blockIdx.x; i < a.ntiles; i += gridDim.x) {
         const BenchTile bt = a.tiles[i];
-        const int K = a.K, width = bt.k1 - bt.k0, n0 = bt.rows[0];
+        const int K = a.K, width = bt.k1 - bt.k0;
         const bf16 *W = a.pool + bt.matrix * a.matrix_elems + bt.k0;
         if (kPrefetch && threadIdx.x == 0) {
             for (int g = 0; g < 2; g++) {
@@ -464,9 +480,8 @@ __global__ void __launch_bounds__(kThreads, 1) mma_kernel(const __grid_constant_
         stage_bf16(s.in, a.x + bt.k0, a.batch, width, kXStride);
         __syncthreads();
         const auto row = [&](int r) {
-            const int mr = r < n0 ? bt.row0[0] + r : bt.row0[1] + r - n0;
-            if constexpr (kTiled) return a.tiled + bt.matrix * a.matrix_elems + tiled_index(mr, 0, K) + 16 * bt.k0;
-            return W + (size_t)mr * K;
+            if constexpr (kTiled) return tiled_at(a, bt, r, 0);
+            return W + (size_t)tile_row(bt, r) * K;
         };
         gemv(row, a.rows, s.in, width, s.out, s.red, Dot{}, s.extra);
         write_out(s.out, a.out + (size_t)i * a.rows * 8, a.rows * 8);
@@ -557,7 +572,7 @@ void read_peak(const bf16 *pool, size_t bytes, int sms, int reps) {
 // Warp w takes band w % bands and, with fewer than 8 bands, the part w / bands of each slot's
 // steps; parts add up in shared memory at the tile's end. Slot c's empty barrier takes the 8
 // warps' arrivals.
-template <int SlotKB, int NS>
+template <int SlotKB>
 struct RingShape {
     static constexpr int kSlotBytes = SlotKB * 1024;
     int bands, parts, kb, slots;  // per tile
@@ -572,7 +587,7 @@ struct RingShape {
 template <int SlotKB, int NS>
 __global__ void __launch_bounds__(kThreads, 1) ring_kernel(const __grid_constant__ Args a) {
     extern __shared__ __align__(1024) char smem_raw[];
-    using Sh = RingShape<SlotKB, NS>;
+    using Sh = RingShape<SlotKB>;
     char *ring = smem_raw;
     bf16 *xs = reinterpret_cast<bf16 *>(ring + NS * Sh::kSlotBytes);
     float *red = reinterpret_cast<float *>(reinterpret_cast<char *>(xs) + in_bytes(2048));  // [16][128]
@@ -581,7 +596,7 @@ __global__ void __launch_bounds__(kThreads, 1) ring_kernel(const __grid_constant
     if (a.ntiles <= 0) return;  // the warm-up launch
     const Sh sh(a.rows, a.tiles[0].k1 - a.tiles[0].k0);
     if (sh.bands > 2 * kWarps || sh.kb < 1) __trap();
-    const int my_tiles = a.ntiles > (int)blockIdx.x ? (a.ntiles - 1 - blockIdx.x) / gridDim.x + 1 : 0;
+    const int my_tiles = cta_tiles(a);
     const uint32_t total = (uint32_t)my_tiles * sh.slots;
     if (threadIdx.x == 0) {
         for (int i = 0; i < NS; i++) mbar_init(&full[i], 1), mbar_init(&empty[i], kWarps);
@@ -601,11 +616,8 @@ __global__ void __launch_bounds__(kThreads, 1) ring_kernel(const __grid_constant
         const BenchTile &bt = ibt;
         const int j = c % sh.slots, steps = (bt.k1 - bt.k0) / 32, s0 = j * sh.kb, n = min(sh.kb, steps - s0);
         mbar_arrive_expect(&full[slot], (uint32_t)(sh.bands * n * 1024));
-        for (int b = 0; b < sh.bands; b++) {
-            const int r = 16 * b, mr = r < bt.rows[0] ? bt.row0[0] + r : bt.row0[1] + r - bt.rows[0];
-            const bf16 *src = a.tiled + bt.matrix * a.matrix_elems + tiled_index(mr, 0, a.K) + 16 * (bt.k0 + 32 * s0);
-            bulk_load(ring + slot * Sh::kSlotBytes + b * sh.kb * 1024, src, n * 1024, &full[slot]);
-        }
+        for (int b = 0; b < sh.bands; b++)
+            bulk_load(ring + slot * Sh::kSlotBytes + b * sh.kb * 1024, tiled_at(a, bt, 16 * b, s0), n * 1024, &full[slot]);
     };
     // the warp's bands (w, and w + 8 past 8 bands) and its part of each slot's steps
     const int nmine = sh.bands > kWarps ? 2 : 1, band = warp % sh.bands, part = warp / sh.bands;
@@ -657,6 +669,11 @@ __global__ void __launch_bounds__(kThreads, 1) ring_kernel(const __grid_constant
         __syncthreads();
     }
 }
+template <int SlotKB, int NS>
+constexpr int ring_smem() {
+    return NS * SlotKB * 1024 + in_bytes(2048) + 2 * kWarps * 128 * 4 + 2 * NS * 8;
+}
+
 // The paths with a producer warp of their own (warp 8: 288 threads); their consumers meet at
 // named barrier 1.
 constexpr int kChunkThreads = kThreads + 32;
@@ -685,7 +702,7 @@ __global__ void __launch_bounds__(kChunkThreads, 1) piece_kernel(const __grid_co
     const int per_band = (band_steps * 1024 + kPieceMaxBytes - 1) / kPieceMaxBytes, piece_steps = band_steps / per_band;
     if (bands > kPieceMaxBands || piece_steps * per_band != band_steps) __trap();
     const int pieces = bands * per_band;
-    const int my_tiles = a.ntiles > (int)blockIdx.x ? (a.ntiles - 1 - blockIdx.x) / gridDim.x + 1 : 0;
+    const int my_tiles = cta_tiles(a);
     if (threadIdx.x == 0) {
         for (int i = 0; i < NS; i++) mbar_init(&full[i], 1), mbar_init(&empty[i], kWarps);
         mbar_init_fence();
@@ -700,12 +717,9 @@ __global__ void __launch_bounds__(kChunkThreads, 1) piece_kernel(const __grid_co
             const int slot = c % NS;
             if ((int)(c / pieces) != tile) tile = (int)(c / pieces), bt = a.tiles[blockIdx.x + tile * gridDim.x];
             const int j = c % pieces, band = j / per_band, s0 = (j % per_band) * piece_steps;
-            const int r = 16 * band, mr = r < bt.rows[0] ? bt.row0[0] + r : bt.row0[1] + r - bt.rows[0];
             if (c >= NS) mbar_wait(&empty[slot], ((c / NS) - 1) & 1);
             mbar_arrive_expect(&full[slot], (uint32_t)piece_steps * 1024);
-            bulk_load(ring + slot * kPieceMaxBytes,
-                      a.tiled + bt.matrix * a.matrix_elems + tiled_index(mr, 0, a.K) + 16 * (bt.k0 + 32 * s0),
-                      piece_steps * 1024, &full[slot]);
+            bulk_load(ring + slot * kPieceMaxBytes, tiled_at(a, bt, 16 * band, s0), piece_steps * 1024, &full[slot]);
         }
         for (uint32_t c = total > NS ? total - NS : 0; c < total; c++)  // its copies consumed before it exits
             mbar_wait(&empty[c % NS], (c / NS) & 1);
@@ -715,10 +729,7 @@ __global__ void __launch_bounds__(kChunkThreads, 1) piece_kernel(const __grid_co
     for (int k = 0; k < my_tiles; k++) {
         const int i = blockIdx.x + k * gridDim.x;
         const BenchTile bt = a.tiles[i];
-        if (threadIdx.x == 0) {
-            cuda::atomic_ref<const uint32_t, cuda::thread_scope_device> ready(*a.ready);
-            while (ready.load(cuda::memory_order_acquire) < 1u) __nanosleep(20);
-        }
+        poll_ready(a.ready);  // the consumers' barrier after the staging publishes it (no __syncthreads: warp 8)
         stage_bf16(xs, a.x + bt.k0, a.batch, bt.k1 - bt.k0, kXStride);
         consumers_sync();
         const uint32_t x_lane = in_lane_addr(smem_u32(xs));
@@ -765,11 +776,6 @@ constexpr int piece_smem() {
     return NS * kPieceMaxBytes + in_bytes(2048) + kWarps * 8 * 128 * 4 + 2 * NS * 8;
 }
 
-
-template <int SlotKB, int NS>
-constexpr int ring_smem() {
-    return NS * SlotKB * 1024 + in_bytes(2048) + 2 * kWarps * 128 * 4 + 2 * NS * 8;
-}
 
 __device__ __host__ inline uint32_t mix(uint64_t v) {
     v ^= v >> 33;
