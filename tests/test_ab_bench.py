@@ -2,6 +2,7 @@
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -51,3 +52,35 @@ def test_bad_calls_say_what_is_wrong(clone, args, message):
 def test_run_without_variants_stops_with_a_message(clone, tmp_path):
     out = ab(clone, "run", env={**os.environ, "OUT": str(tmp_path / "out")})
     assert out.returncode == 1 and "no variant built" in out.stderr
+
+
+@pytest.mark.skipif(not (shutil.which("cmake") and shutil.which("ninja")), reason="needs cmake and ninja")
+def test_run_benches_each_variant_per_round_and_packs_the_results(clone, tmp_path):
+    # A variant tree with an empty project and a bench of its own: the run path without a GPU.
+    tree = clone / "ab" / "fake"
+    (tree / "northmk").mkdir(parents=True)
+    (tree / "COMMIT").write_text("abc1234\n")
+    (tree / "CMakeLists.txt").write_text("cmake_minimum_required(VERSION 3.18)\nproject(fake NONE)\n")
+    (tree / "northmk" / "__init__.py").write_text("")
+    (tree / "northmk" / "bench.py").write_text(
+        "import os, pathlib, sys\n"
+        "out = pathlib.Path(sys.argv[sys.argv.index('--out') + 1])\n"
+        "out.mkdir(parents=True)\n"
+        "(out / 'decode.json').write_text(os.environ['NORTHMK_COMMIT'] + ' ' + ' '.join(sys.argv[1:]))\n"
+        "print('batch 1: 123.4 tok/s')\n")
+    # python3 without site-packages, as on the device: an editable install of this checkout would
+    # shadow the variant's package (the run says so and skips the variant).
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(f'#!/bin/sh\nexec "{sys.executable}" -S "$@"\n')
+    (bin_dir / "python3").chmod(0o755)
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "AB_ROUNDS": "2", "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    run = ab(clone, "run", "--batch", "1", env=env)
+    assert run.returncode == 0, run.stderr
+    assert "round 1: fake rc=0" in run.stdout and "round 2: fake rc=0" in run.stdout
+    assert run.stdout.rstrip().splitlines()[-2:] == ["fake r1  batch 1: 123.4 tok/s", "fake r2  batch 1: 123.4 tok/s"]
+    assert (out / "ab-fake-r2" / "decode.json").read_text().startswith("abc1234 decode --out ")
+    packed = subprocess.run(["tar", "-tzf", str(out / "0ab.tgz")], capture_output=True, text=True, check=True).stdout
+    for name in ("ab-fake-r1/decode.json", "ab-fake-r2/decode.json", "ab-fake-r1.log", "ab-fake.build.log"):
+        assert name in packed.split(), name

@@ -5,8 +5,9 @@
 # arguments. ab/ is ignored by git: carry it (with .whl, as for gpu_run.sh).
 #   host:   tools/ab_bench.sh prepare base 17c7d34 && tools/ab_bench.sh prepare new HEAD
 #   device: tools/ab_bench.sh run --batch 1 8 --steps 256 --no-peer
-# Each result lands in $OUT/ab-NAME-rROUND/; the last lines are one table row per (variant,
-# round, batch).
+# Each result lands in $OUT/ab-NAME-rROUND/, and all of them with the logs in $OUT/0ab.tgz (first
+# in name order: the device call returns a few files of $OUT, so this one holds them all); the
+# last lines are one table row per (variant, round, batch).
 set -uo pipefail
 shopt -s nullglob
 if [ "${1:-}" = prepare ]; then
@@ -49,6 +50,13 @@ for tree in "${trees[@]}"; do
     echo "$name: build failed"; tail -20 "$OUT/ab-$name.build.log"; continue
   fi
   grep -q C7510 "$OUT/ab-$name.build.log" && echo "$name: WARNING: ptxas serialized the megakernel's wgmma (C7510)"
+  # The variant's own package must be the one its bench imports: an editable install of northmk
+  # (a meta-path finder) comes before the working directory and would bench the installed tree.
+  got=$(cd "$tree" && python3 -c 'import os, northmk; print(os.path.realpath(os.path.dirname(northmk.__file__)))' 2>&1)
+  if [ "$got" != "$(cd "$tree/northmk" && pwd -P)" ]; then
+    echo "$name: python3 imports northmk from ${got:-nowhere}, not ${tree}northmk (an installed northmk shadows it): skipped"
+    continue
+  fi
   names+=("$name")
 done
 rm -f "$OUT"/ab-*.build.rc
@@ -65,6 +73,7 @@ for round in $(seq "${AB_ROUNDS:-2}"); do
     echo "round $round: $name rc=$?"
   done
 done
+(cd "$OUT" && tar -czf 0ab.tgz ab-*) || echo "$0: could not pack $OUT/0ab.tgz"
 for name in "${names[@]}"; do
   for round in $(seq "${AB_ROUNDS:-2}"); do
     grep -E "^batch" "$OUT/ab-$name-r$round.log" 2>/dev/null | sed "s/^/$name r$round  /"
