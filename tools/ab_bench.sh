@@ -52,9 +52,12 @@ for tree in "${trees[@]}"; do
   grep -q C7510 "$OUT/ab-$name.build.log" && echo "$name: WARNING: ptxas serialized the megakernel's wgmma (C7510)"
   # The variant's own package must be the one its bench imports: an editable install of northmk
   # (a meta-path finder) comes before the working directory and would bench the installed tree.
-  got=$(cd "$tree" && python3 -c 'import os, northmk; print(os.path.realpath(os.path.dirname(northmk.__file__)))' 2>&1)
-  if [ "$got" != "$(cd "$tree/northmk" && pwd -P)" ]; then
-    echo "$name: python3 imports northmk from ${got:-nowhere}, not ${tree}northmk (an installed northmk shadows it): skipped"
+  got=$(cd "$tree" && python3 -c 'import os, northmk; print(os.path.realpath(os.path.dirname(northmk.__file__)))' 2>&1 | tail -1)
+  if [ "${got:0:1}" != / ]; then
+    echo "$name: python3 cannot import ${tree}northmk (${got:-no output}): skipped"
+    continue
+  elif [ "$got" != "$(cd "$tree/northmk" && pwd -P)" ]; then
+    echo "$name: python3 imports northmk from $got, not ${tree}northmk (an installed northmk shadows it): skipped"
     continue
   fi
   names+=("$name")
