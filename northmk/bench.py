@@ -6,7 +6,8 @@
     python -m northmk.bench plot RESULT.json [MORE.json ...] [--out PNG]
     python -m northmk.bench critical TASK_TIMES.npy [--batch B --context C] [--sms 132] [--layer L]
     python -m northmk.bench simulate TASK_TIMES.npy [--batch B --context C] [--sms 132] [--hop-us H --turn-us T]
-        [--what-if OP=CHANGE ...]
+        [--what-if OP=CHANGE ...] [--save-runs RUNS.npz]
+    python -m northmk.bench simulate RUNS.npz [--hop-us H --turn-us T] [--what-if OP=CHANGE ...]
     python -m northmk.bench fluid TASK_TIMES.npy [--batch B --context C] [--sms 132] [--executors 2]
         [--executor-gbs 45 --sm-gbs 45 --dram-tbs 4.24] [--hop-us H --turn-us T] [--fixed-quantile 0.1]
         [--their-executor-gbs G] [--their-fixed F] [--what-if OP=CHANGE ...]
@@ -29,6 +30,9 @@ writes) back along the chain of tasks that set its length (northmk.bench_critica
 tasks; with --what-if it replays the step again with some opcodes' run times changed (QKV=-1.5:
 every QKV task 1.5 us shorter; ATTN=x0.7: every attention task at 70% of its time), the
 prediction of a change that shortens tasks without moving the DRAM traffic between them.
+--save-runs keeps the step's run times by task; given to `simulate` with a library whose schedule
+builder lays the same tasks out otherwise (another queue order or placement), they replay that
+schedule: the prediction of a change of order.
 `fluid` replays a schedule with its tasks sharing DRAM bandwidth: each task a fixed part (from the
 profiled step) around the bytes it streams, at rates capped per executor, per SM and for DRAM
 (northmk.bench_fluid); with --executors N it replays a schedule built for N executors per SM
@@ -526,23 +530,70 @@ def what_if_change(text: str) -> tuple[Opcode, float, float]:
     return op, factor, add
 
 
+def tile_plan(schedule) -> dict:
+    """The plan's tile sizes and counts: what a task's key (op, layer, x, y, z) means."""
+    return {k: v for k, v in schedule.plan.items() if k not in ("batch", "max_splits", "num_counters", "num_queues")}
+
+
+def saved_runs(path: str):
+    """The run times `simulate --save-runs` wrote, on the schedule this library builds for their
+    step: (schedule, keys, runs, the measured step's us, a line that says which)."""
+    from .bench_critical import context_bucket
+    from .megakernel import Schedule
+
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            keys, runs = f["keys"], f["runs"]
+            batch, context, sms = int(f["batch"]), int(f["context"]), int(f["sms"])
+            name, measured_us = str(f["geometry"]), float(f["measured_us"])
+            tiles = json.loads(str(f["tiles"]))
+    except (OSError, KeyError, ValueError) as e:
+        raise ValueError(f"{path}: not the run times of `simulate --save-runs` ({e})") from None
+    if name not in PRESETS or keys.ndim != 2 or keys.shape[1] != 5 or len(keys) != len(runs):
+        raise ValueError(f"{path}: not the run times of `simulate --save-runs`")
+    schedule = Schedule(geometry(name), sms, [context_bucket(context)] * batch)
+    changed = {k: (v, schedule.plan.get(k)) for k, v in tiles.items() if schedule.plan.get(k) != v}
+    if changed:  # the same keys would name other tasks
+        raise ValueError(f"{path}: this library tiles the step otherwise ("
+                         + ", ".join(f"{k} {a} -> {b}" for k, (a, b) in changed.items())
+                         + "): the saved run times are of other tasks")
+    return (schedule, keys, runs, measured_us,
+            f"{path}: the run times of a step of batch {batch}, context {context}, {sms} SMs ({name}), "
+            f"on this library's schedule for it")
+
+
 def simulate(args) -> str:
     """The report of `simulate`: the step as measured, replayed with its gaps, and without; with
-    --what-if, replayed again with those opcodes' run times changed (a task never below 0)."""
+    --what-if, replayed again with those opcodes' run times changed (a task never below 0). From
+    a task-times .npy, --save-runs writes its tasks' run times; given that file instead, the
+    replay is of the schedule this library builds for the same step (another order or placement
+    of the same tasks; a task the step did not have takes its opcode's mean run)."""
     from .bench_critical import check_times
-    from .bench_simulate import replay_runs, simulate as replay
+    from .bench_simulate import measured_runs, runs_for, simulate as replay
 
-    times, schedule, which = profiled_step(args)
     if args.hop_us < 0 or args.turn_us < 0:
         raise ValueError("--hop-us and --turn-us must be >= 0")
     changes = [what_if_change(c) for c in args.what_if]
-    times = check_times(times, schedule)[0]
-    runs, _ = replay_runs(schedule, schedule, times)
+    if args.times.endswith(".npz"):
+        if args.save_runs:
+            raise ValueError("--save-runs reads a task-times .npy, not run times it saved")
+        schedule, keys, measured, measured_us, which = saved_runs(args.times)
+    else:
+        times, schedule, which, _, context = profiled_run(args)
+        times = check_times(times, schedule)[0]
+        keys, measured = measured_runs(schedule, times)
+        measured_us = (times[:, 2].max() - times[:, 1].min()) / 1e3
+        if args.save_runs:
+            np.savez(args.save_runs, keys=keys, runs=measured, batch=schedule.plan["batch"], context=context,
+                     sms=args.sms, geometry=args.geometry, measured_us=measured_us, tiles=json.dumps(tile_plan(schedule)))
+    runs, guessed = runs_for(schedule, keys, measured)
+    if guessed:
+        which += f" ({guessed} tasks the step did not have take their opcode's mean run)"
     span = lambda t: (t[:, 2].max() - t[:, 1].min()) / 1e3  # noqa: E731
     hop, turn = round(args.hop_us * 1e3), round(args.turn_us * 1e3)
     gaps = replay(schedule, runs, hop, turn)
     none = replay(schedule, runs, 0, 0)
-    report = (f"{which}\n  measured {span(times):.1f} us; replayed from the measured run times "
+    report = (f"{which}\n  measured {measured_us:.1f} us; replayed from the measured run times "
               f"{span(gaps):.1f} us with {args.hop_us:g} us hops and {args.turn_us:g} us turns, "
               f"{span(none):.1f} us without gaps")
     if changes:
@@ -666,10 +717,11 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def step_parser(sub, name: str, what: str) -> argparse.ArgumentParser:
+def step_parser(sub, name: str, what: str,
+                times_help: str = "task-times-b{B}-c{C}.npy from a decode run") -> argparse.ArgumentParser:
     """A command that reads one profiled step's task times (profiled_step)."""
     parser = sub.add_parser(name, help=what)
-    parser.add_argument("times", help="task-times-b{B}-c{C}.npy from a decode run")
+    parser.add_argument("times", help=times_help)
     parser.add_argument("--batch", type=int, help="rows of the step (default: from the file name)")
     parser.add_argument("--context", type=int, help="tokens of KV per row (default: from the file name)")
     parser.add_argument("--sms", type=int, default=132, help="SMs of the device that ran it")
@@ -704,7 +756,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out", help="PNG path (default: the first result's path with .png)")
     c = step_parser(sub, "critical", "the chain of tasks that set a profiled step's length")
     c.add_argument("--layer", type=int, help="the layer whose links to list (default: the chain's middle one)")
-    m = step_parser(sub, "simulate", "replay a profiled step's schedule from its tasks' run times")
+    m = step_parser(sub, "simulate", "replay a profiled step's schedule from its tasks' run times",
+                    "task-times-b{B}-c{C}.npy from a decode run, or a FILE.npz of --save-runs (its step's "
+                    "batch, context, SMs and geometry then come from it)")
+    m.add_argument("--save-runs", metavar="FILE.npz",
+                   help="write the step's tasks' run times; given as TIMES to a build of the library with "
+                        "another schedule, they replay that schedule")
     m.add_argument("--hop-us", type=float, default=0.5, help="a counter complete -> its waiter running")
     m.add_argument("--turn-us", type=float, default=0.7, help="an SM's task ended -> its next running")
     m.add_argument("--what-if", action="append", default=[], metavar="OP=CHANGE",

@@ -10,8 +10,9 @@ a profiled step.
 
 Replayed with the run times a profiled step measured, it should give back about that step's
 length; a schedule that differs only in order (queue positions, list placement) then gets a
-prediction from the same run times (`replay_runs` keys them by the task, not by its position).
-What it cannot see: tasks slowing each other down through shared DRAM bandwidth.
+prediction from the same run times (`replay_runs` keys them by the task, not by its position;
+`measured_runs` and `runs_for` split that in two, so that the runs can be saved and replayed on
+the schedule another build of the library makes). What it cannot see: tasks slowing each other down through shared DRAM bandwidth.
 """
 
 from __future__ import annotations
@@ -114,16 +115,20 @@ def simulate(schedule, run_ns, hop_ns: int = 500, turn_ns: int = 700) -> np.ndar
     return rows[work]
 
 
-def replay_runs(schedule, measured_schedule, measured_times: np.ndarray) -> tuple[np.ndarray, int]:
-    """Run times for schedule.tasks from a profiled step of measured_schedule: each task's own
-    measured run where the step had the same task (op, layer, x, y, z), else its opcode's mean
-    there. Returns them and how many took the mean."""
+def measured_runs(measured_schedule, measured_times: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A profiled step of measured_schedule: its tasks' keys [n, 5] (op, layer, x, y, z) and
+    each one's measured run time (ns)."""
     measured = measured_schedule.tasks[measured_schedule.tasks["op"] != Opcode.DRAIN]
     times = np.asarray(measured_times, dtype=np.int64)
     if len(times) != len(measured):
         raise ValueError(f"the times have {len(times)} tasks, their schedule {len(measured)}")
-    run = (times[:, 2] - times[:, 1]).tolist()
-    by_key = dict(zip(task_keys(measured), run))
+    return np.array(task_keys(measured), dtype=np.int64).reshape(-1, 5), times[:, 2] - times[:, 1]
+
+
+def runs_for(schedule, keys: np.ndarray, runs: np.ndarray) -> tuple[np.ndarray, int]:
+    """Run times for schedule.tasks from measured_runs' keys and runs: each task's own where the
+    step had the same task, else its opcode's mean there. Returns them and how many took the mean."""
+    by_key = {tuple(k): int(r) for k, r in zip(np.asarray(keys).tolist(), np.asarray(runs).tolist())}
     per_op: dict[int, list[int]] = defaultdict(list)
     for (op, *_), r in by_key.items():
         per_op[op].append(r)
@@ -139,3 +144,9 @@ def replay_runs(schedule, measured_schedule, measured_times: np.ndarray) -> tupl
         else:
             raise ValueError(f"no measured {Opcode(key[0]).name} task to take a run time from")
     return out, guessed
+
+
+def replay_runs(schedule, measured_schedule, measured_times: np.ndarray) -> tuple[np.ndarray, int]:
+    """Run times for schedule.tasks from a profiled step of measured_schedule (runs_for of its
+    measured_runs). Returns them and how many took their opcode's mean."""
+    return runs_for(schedule, *measured_runs(measured_schedule, measured_times))

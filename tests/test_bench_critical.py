@@ -5,6 +5,8 @@ as the kernel would run it; and the timed replay of a schedule (northmk.bench_si
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -287,3 +289,33 @@ def test_simulate_what_if_replays_the_step_with_some_run_times_changed(tmp_path,
     nothing = [arg for op in Opcode if op not in (Opcode.COMBINE, Opcode.DRAIN) for arg in ("--what-if", f"{op.name}=x0")]
     assert bench.main(step + ["--hop-us", "0", "--turn-us", "0"] + nothing) == 2
     assert "leaves the step no time at all" in capsys.readouterr().err
+
+
+def test_saved_runs_replay_the_schedule_this_library_builds(tmp_path, capsys):
+    schedule = Schedule(bench.geometry("mk-small"), 4, [context_bucket(100)] * 2)
+    times = simulate(schedule, np.full(len(schedule.tasks), 2000), 300, 400)
+    times[:, 2] += np.arange(len(times))  # every task its own run time
+    path, runs = tmp_path / "task-times-b2-c100.npy", tmp_path / "runs.npz"
+    np.save(path, times)
+    step = ["--sms", "4", "--geometry", "mk-small", "--what-if", "QKV=-1"]
+    assert bench.main(["simulate", str(path), "--save-runs", str(runs)] + step) == 0
+    from_times = capsys.readouterr().out.splitlines()
+    assert bench.main(["simulate", str(runs), "--what-if", "QKV=-1"]) == 0  # batch, context, SMs from the file
+    from_runs = capsys.readouterr().out.splitlines()
+    assert from_runs[0] == (f"{runs}: the run times of a step of batch 2, context 100, 4 SMs "
+                            "(mk-small), on this library's schedule for it")
+    assert from_runs[1:] == from_times[1:]  # the same tasks, the same schedule: the same replays
+    saved = dict(np.load(runs))
+    assert saved["keys"].shape == (len(times), 5) and (saved["runs"] == times[:, 2] - times[:, 1]).all()
+
+    assert bench.main(["simulate", str(runs), "--save-runs", str(tmp_path / "again.npz")]) == 2
+    assert "--save-runs reads a task-times .npy" in capsys.readouterr().err
+    (tmp_path / "junk.npz").write_text("not numpy")
+    assert bench.main(["simulate", str(tmp_path / "junk.npz")]) == 2
+    assert "not the run times of `simulate --save-runs`" in capsys.readouterr().err
+    # a library whose tiles differ would read the same keys as other tasks
+    other = {**saved, "tiles": json.dumps({**json.loads(str(saved["tiles"])), "moe_cols": 48})}
+    np.savez(tmp_path / "other.npz", **other)
+    assert bench.main(["simulate", str(tmp_path / "other.npz")]) == 2
+    err = capsys.readouterr().err
+    assert "this library tiles the step otherwise (moe_cols 48 -> " in err and "are of other tasks" in err
