@@ -13,6 +13,7 @@
         [--their-executor-gbs G] [--their-fixed F] [--what-if OP=CHANGE ...]
     python -m northmk.bench timeline TASK_TIMES.npy [--batch B --context C] [--sms 132] [--bin-us 5] [--layer L]
     python -m northmk.bench switches TASK_TIMES.npy [--min-us 1.5]
+    python -m northmk.bench ops TASK_TIMES.npy [MORE.npy ...] [--layers 2:46]
 
 `decode` times the megakernel's decode step at full North Mini Code geometry (random weights,
 KV noise at --context) and then, on the same weights, Hugging Face transformers'
@@ -44,6 +45,8 @@ streamed while it waits.
 the step asked of DRAM in each bin, and per opcode the SMs that ran (northmk.bench_timeline).
 `switches` compares, per opcode, the run of its tasks that follow a task of their own
 opcode on their SM with those that follow another (northmk.bench_critical.opcode_switches).
+`ops` puts profiled steps side by side (an A/B's variants): per step its span and per opcode
+the mean run and wait of its tasks in the middle layers (northmk.bench_critical.opcode_means).
 """
 
 from __future__ import annotations
@@ -708,6 +711,20 @@ def switches(args) -> str:
     return f"{args.times}\n" + switches_report(opcode_switches(np.load(args.times), args.min_us))
 
 
+def ops(args) -> str:
+    """The report of `ops` (northmk.bench_critical.opcode_means of each file)."""
+    from .bench_critical import means_report, opcode_means
+
+    layers = None
+    if args.layers:
+        try:
+            first, last = (int(v) for v in args.layers.split(":"))
+        except ValueError:
+            raise ValueError(f"--layers {args.layers!r}: want FIRST:LAST (2:46)") from None
+        layers = (first, last)
+    return means_report([(path, opcode_means(np.load(path), layers)) for path in args.times])
+
+
 # ---- command line -----------------------------------------------------------------------
 
 class OneLineParser(argparse.ArgumentParser):
@@ -804,6 +821,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     w.add_argument("times", help="task-times-b{B}-c{C}.npy from a decode run")
     w.add_argument("--min-us", type=float, default=0.0,
                    help="leave out of the means tasks that ran shorter (an unused expert slot's)")
+    o = sub.add_parser("ops", help="per opcode, the mean run and wait of a task, for one or more profiled steps")
+    o.add_argument("times", nargs="+", help="task-times-b{B}-c{C}.npy from decode runs (an A/B's variants)")
+    o.add_argument("--layers", metavar="FIRST:LAST",
+                   help="the layers whose tasks to average (default: all but the first two and the last two)")
     args = parser.parse_args(argv)
     problem = check_decode(args) if args.what == "decode" else None
     if problem:
@@ -854,6 +875,8 @@ def main(argv: list[str] | None = None) -> int:
             print(timeline(args))
         elif args.what == "switches":
             print(switches(args))
+        elif args.what == "ops":
+            print(ops(args))
         elif args.what == "record":
             record(load_result(Path(args.result)), Path(args.result), Path(args.notes))
         else:

@@ -242,3 +242,49 @@ def switches_report(switches: dict[str, dict]) -> str:
                 and switch["mean_us"] is not None else "")
         out.append(f"  {name:>10} {fmt(same)} ({same['count']:5d}) {fmt(switch)} ({switch['count']:5d}) {cost}".rstrip())
     return "\n".join(out)
+
+
+# The opcodes a layer's tasks have, in a layer's order (opcode_means' columns).
+LAYER_OPS = ("NORM", "QKV", "ROUTER", "ATTN", "OPROJ", "GATE_UP", "DOWN")
+
+
+def opcode_means(times: np.ndarray, layers: tuple[int, int] | None = None) -> dict:
+    """A profiled step's span (us, the first wait to the last end) and, per opcode of LAYER_OPS,
+    its tasks in layers [first, last] (default: all but the first two and the last two, whose
+    tasks overlap the step's start and end), their mean run and mean wait (us): how two builds'
+    steps differ opcode by opcode. The timing records' upper 32 bits (a build's diagnostic
+    marks) are ignored."""
+    times = np.asarray(times, dtype=np.int64)
+    if times.ndim != 2 or times.shape[1] != 4 or len(times) == 0:
+        raise ValueError(f"times must be [N, 4] with N > 0; got {times.shape}")
+    op, layer = times[:, 3] & 0xFF, (times[:, 3] >> 8) & 0xFF
+    in_layers = layer[op == Opcode.NORM]
+    if layers is None:
+        if len(in_layers) == 0:
+            raise ValueError("the step has no NORM task: give the layers")
+        layers = (int(in_layers.min()) + 2, int(in_layers.max()) - 2)
+    first, last = layers
+    if first > last:
+        raise ValueError(f"no layers in {first}:{last}")
+    run_us, wait_us = (times[:, 2] - times[:, 1]) / 1e3, (times[:, 1] - times[:, 0]) / 1e3
+    ops = {}
+    for name in LAYER_OPS:
+        mine = (op == Opcode[name]) & (layer >= first) & (layer <= last)
+        if mine.any():
+            ops[name] = {"tasks": int(mine.sum()), "run_us": float(run_us[mine].mean()),
+                         "wait_us": float(wait_us[mine].mean())}
+    return {"span_us": float((times[:, 2].max() - times[:, 0].min()) / 1e3), "layers": (first, last), "ops": ops}
+
+
+def means_report(named: list[tuple[str, dict]]) -> str:
+    """opcode_means of several steps as one table: a row a step (its name, span, layers), per
+    opcode its mean run / mean wait in us."""
+    ops = [name for name in LAYER_OPS if any(name in m["ops"] for _, m in named)]
+    width = max(len(n) for n, _ in named)
+    head = f"{'':{width}}  {'span us':>8}  {'layers':>7}" + "".join(f"  {name:>11}" for name in ops)
+    out = ["mean run / mean wait of a task (us), by opcode:", head]
+    for n, m in named:
+        cells = "".join(f"  {m['ops'][name]['run_us']:5.2f}/{m['ops'][name]['wait_us']:<5.2f}"
+                        if name in m["ops"] else f"  {'-':>11}" for name in ops)
+        out.append(f"{n:{width}}  {m['span_us']:8.1f}  {m['layers'][0]:>3}-{m['layers'][1]:<3}{cells}".rstrip())
+    return "\n".join(out)
