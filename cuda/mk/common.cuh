@@ -116,15 +116,15 @@ __device__ __forceinline__ void bulk_load(void *dst, const void *src, uint32_t b
                  : "memory");
 }
 
-// One box of a tensor map (a 4-D tiled map: coordinates innermost first) into shared memory by
+// One box of a tensor map (a 5-D tiled map: coordinates innermost first) into shared memory by
 // the TMA unit, completing on `bar`; the map may sit in the kernel's parameters. Attention's
 // keys and values, read once a step: evict_first.
-__device__ __forceinline__ void tensor_load_4d(void *dst, const TensorMap *map, int c0, int c1, int c2, int c3,
+__device__ __forceinline__ void tensor_load_5d(void *dst, const TensorMap *map, int c0, int c1, int c2, int c3, int c4,
                                                uint64_t *bar) {
     asm volatile(
-        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, {%2, "
-        "%3, %4, %5}], [%6], %7;" ::"r"(smem_u32(dst)),
-        "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_u32(bar)), "l"(evict_first_policy())
+        "cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1, {%2, "
+        "%3, %4, %5, %6}], [%7], %8;" ::"r"(smem_u32(dst)),
+        "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(smem_u32(bar)), "l"(evict_first_policy())
         : "memory");
 }
 
@@ -198,7 +198,7 @@ __device__ __forceinline__ void store_in_chunk(bf16 *in, int n, int c, uint4 v) 
 // ---- shared memory a CTA keeps across its tasks of a step -----------------------------------
 // A task's scratch is [0, kTaskSmemBytes); past it, what later tasks reuse (the normed input a
 // GEMV staged at offset 0 is the layer's) and the routing the last ROUTER tile computes (op_router).
-constexpr int kTaskSmemBytes = 123 * 1024;
+constexpr int kTaskSmemBytes = task_smem_bytes(kBuildBatch);
 constexpr int kMaxGemvItems = 32;  // (16-row tile, k part) work items of one GEMV, for `red`
 
 struct Kept {

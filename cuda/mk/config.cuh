@@ -20,7 +20,23 @@ constexpr int kPage = 64;           // tokens per KV page (config.PAGE_SIZE)
 constexpr int kMaxK = 4096;         // widest GEMV input (q width, intermediate sizes)
 constexpr int kMaxNormTiles = 128;  // hidden / norm_cols
 constexpr int kMaxLayers = 128;     // the layer table travels in the kernel's parameters (Params::layers)
-constexpr int kSmemBytes = 130 * 1024;
+// Attention's KV pages in flight per SM (op_attention.cuh), by the kernel's batch size: 4 from
+// batch 2 on, where attention's splits are longer (batch 8 +0.9% in session 30, batch 2 +0.2%
+// in session 31); 3 at batch 1, where the larger shared memory's smaller L1 costs the GEMVs more
+// than attention gains (-0.7%; benchmarks/NOTES.md).
+__host__ __device__ constexpr int attn_slots(int batch) { return batch >= 2 ? 4 : 3; }
+// A task's shared-memory scratch (common.cuh): the widest GEMV's, or attention's ring and state.
+__host__ __device__ constexpr int task_smem_bytes(int batch) { return attn_slots(batch) > 3 ? 136 * 1024 : 123 * 1024; }
+// The kernel's dynamic shared memory: a task's scratch, then what a CTA keeps (Kept, Routing).
+__host__ __device__ constexpr int smem_bytes(int batch) { return task_smem_bytes(batch) + 7 * 1024; }
+// The batch size of the kernel a translation unit compiles (kernel_batch.cuh); 1 for the
+// tools' benches, which run the batch-1 layout.
+#ifdef NMK_MK_BATCH
+constexpr int kBuildBatch = NMK_MK_BATCH;
+#else
+constexpr int kBuildBatch = 1;
+#endif
+constexpr int kSmemBytes = smem_bytes(kBuildBatch);
 static_assert(kHeadDim == 128 && kThreads == 256, "the attention and GEMV tiles assume these");
 // A GEMV input's 32-wide k blocks in shared memory (common.cuh, store_in_chunk), kInBlockBytes apart.
 constexpr int kInBlockBytes = 4 * 128 + 16;

@@ -237,11 +237,12 @@ NMK_API nmk_status nmk_mk_create(const nmk_mk_geometry *geometry, const nmk_mk_w
         int per_sm = 1;
         for (int b = 1; b <= NMK_MK_MAX_BATCH; b++) {
             const void *kernel = nmk::mk::megakernel_for(b);
-            cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, nmk::mk::kSmemBytes),
+            cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            nmk::mk::smem_bytes(b)),
                        "cudaFuncSetAttribute");
             int fits = 0;
             cuda_check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fits, kernel, nmk::mk::kThreads,
-                                                                     nmk::mk::kSmemBytes), "occupancy");
+                                                                     nmk::mk::smem_bytes(b)), "occupancy");
             per_sm = std::min(per_sm, fits);
         }
         if (per_sm < 1) throw nmk::Error(NMK_ERR_UNSUPPORTED, "the megakernel's CTA does not fit on an SM");
@@ -333,8 +334,10 @@ NMK_API nmk_status nmk_mk_step(nmk_mk *mk, const nmk_mk_step_args *a, void *stre
         p.logits = a->logits, p.next_tokens = a->next_tokens;
         auto st = static_cast<cudaStream_t>(stream);
         void *args[] = {&p};
-        cuda_check(cudaLaunchKernel(nmk::mk::megakernel_for(static_cast<int>(a->batch)), dim3(mk->num_sms),
-                                    dim3(nmk::mk::kThreads), args, nmk::mk::kSmemBytes, st), "megakernel launch");
+        const int batch = static_cast<int>(a->batch);
+        cuda_check(cudaLaunchKernel(nmk::mk::megakernel_for(batch), dim3(mk->num_sms), dim3(nmk::mk::kThreads), args,
+                                    nmk::mk::smem_bytes(batch), st),
+                   "megakernel launch");
         return NMK_OK;
     });
 }

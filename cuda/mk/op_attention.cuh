@@ -1,9 +1,10 @@
 // NMK_OP_ATTN: one split of one (row, kv head): the row's live keys are cut into `splits`
 // page ranges at run time. The TMA unit streams the split's pages (the kv head's 64 keys and
 // 64 values of a page, 16 KB each) into a ring of kAttnSlots slots in shared memory, through
-// the group's tensor map (kv_map): each slab as two boxes of 64 dims (8 KB, one 128-byte row
-// a key) with the 128-byte swizzle, so that the warps' reads of a slab hit every bank once
-// (the plain slab's 256-byte rows put a column of keys in one bank group); warp w
+// the group's tensor map (kv_map): a page's keys and values by one copy, each slab as two
+// halves of 64 dims (8 KB, one 128-byte row a key) with the 128-byte swizzle, so that the
+// warps' reads of a slab hit every bank once (the plain slab's 256-byte rows put a column of
+// keys in one bank group); warp w
 // takes keys 8w .. 8w + 7 of every page: scores of the group's query heads by tensor cores
 // (S = Q K^T, heads as the mma's rows, keys as its 8 columns), an online softmax per head,
 // then O^T += V^T P^T by tensor cores too (dims as the mma's rows, the heads as its columns). The warps merge into the split's partial
@@ -18,7 +19,7 @@ namespace nmk::mk {
 constexpr int kPartStride = kHeadDim + 2;  // acc[head_dim], max, sum
 constexpr int kQStride = kHeadDim + 8;     // bf16 per query head in shared memory
 constexpr int kChunk = 8;                  // keys a warp takes of a page: one n8 tile of the mma
-constexpr int kAttnSlots = 3;              // pages in flight per SM (96 KB)
+constexpr int kAttnSlots = attn_slots(kBuildBatch);  // pages in flight per SM (32 KB each)
 constexpr int kSlabBytes = kPage * kHeadDim * sizeof(bf16);  // a kv head's keys (or values) of a page
 constexpr int kBoxBytes = kSlabBytes / 2;                     // its dims [0, 64) or [64, 128): 128 bytes a key
 constexpr int kAttnRingBytes = kAttnSlots * 2 * kSlabBytes;   // at smem offset 0
@@ -138,7 +139,7 @@ __device__ inline void run_attention(const Params &p, int layer, int b, int kvh,
     const TensorMap *map = &p.kv_map[L.group];
 
     // Thread 0: page i (physical `page`) into slot i % kAttnSlots once every thread has released
-    // the slot's previous page (i - kAttnSlots): keys, then values, each as two boxes of 64 dims.
+    // the slot's previous page (i - kAttnSlots).
     auto issue = [&](int i, int page) {
         const int slot = i % kAttnSlots;
         if (i >= kAttnSlots) {
@@ -149,10 +150,10 @@ __device__ inline void run_attention(const Params &p, int layer, int b, int kvh,
         char *dst = ring + slot * 2 * kSlabBytes;
         const int layer_page = page * L.kv_layers + L.kv_slot;
         mbar_arrive_expect(&s.full[slot], 2 * kSlabBytes);
-#pragma unroll
-        for (int box = 0; box < 4; box++)  // (k, dims 0-63), (k, 64-127), (v, 0-63), (v, 64-127)
-            tensor_load_4d(dst + box * kBoxBytes, map, 64 * (box & 1), 0, (box >> 1) * p.num_kv_heads + kvh,
-                           layer_page, &s.full[slot]);
+        // One copy: (k, dims 0-63), (k, 64-127), (v, 0-63), (v, 64-127), kBoxBytes each; the TMA
+        // unit takes about as long for a copy of 32 KB as for one of 8 KB (benchmarks/NOTES.md,
+        // sessions 28 and 30).
+        tensor_load_5d(dst, map, 0, 0, 0, 0, layer_page * 2 * p.num_kv_heads + kvh, &s.full[slot]);
     };
     if (threadIdx.x == 0) {
         for (int j = 0; j < kAttnSlots; j++) mbar_init(&s.full[j], 1), mbar_init(&s.empty[j], kThreads);

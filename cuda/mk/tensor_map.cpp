@@ -64,11 +64,14 @@ TensorMap make_weight_map(const void *base, uint64_t rows, uint64_t K, uint32_t 
 
 TensorMap make_kv_map(void *base, uint64_t pages, uint32_t layers_in_group, uint32_t kv_heads, uint32_t page_size,
                       uint32_t head_dim) {
-    const cuuint64_t row = (cuuint64_t)head_dim * 2, head = row * page_size;  // bytes
-    const cuuint64_t dims[4] = {head_dim, page_size, 2ull * kv_heads, pages * layers_in_group};
-    const cuuint64_t strides[3] = {row, head, head * 2 * kv_heads};
-    const cuuint32_t box[4] = {64, page_size, 1, 1};
-    return encode_bf16<4>(base, dims, strides, box,
+    // Strides by dimension (bytes): a key's row, a 64-dim half of it, the values after the keys
+    // (kv_heads heads on), and the last dimension's unit, one head's keys of a (page, layer).
+    const cuuint64_t row = (cuuint64_t)head_dim * 2, head = row * page_size;
+    const cuuint64_t dims[5] = {64, page_size, head_dim / 64, 2, pages * layers_in_group * 2 * kv_heads};
+    const cuuint64_t strides[4] = {row, 128, head * kv_heads, head};
+    const cuuint32_t box[5] = {64, page_size, head_dim / 64, 2, 1};
+    if (head_dim % 64) throw std::runtime_error("make_kv_map: head_dim " + std::to_string(head_dim) + " not a multiple of 64");
+    return encode_bf16<5>(base, dims, strides, box,
                           "KV pages " + std::to_string(pages) + " x " + std::to_string(layers_in_group) +
                               " layers, " + std::to_string(kv_heads) + " kv heads, page " + std::to_string(page_size) +
                               ", head_dim " + std::to_string(head_dim));

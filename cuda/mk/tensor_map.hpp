@@ -28,11 +28,13 @@ static_assert(sizeof(TensorMap) == 128 && alignof(TensorMap) >= 64, "CUtensorMap
 TensorMap make_weight_map(const void *base, uint64_t rows, uint64_t K, uint32_t box_rows = kTmaBoxRows);
 
 // The map of one KV group's pages, [pages, layers_in_group, 2, kv_heads, page_size, head_dim]
-// bf16 at `base`, as attention reads them: 4-D {head_dim, page_size, 2 kv_heads (the k heads,
-// then the v heads), pages * layers_in_group}, so that coordinates (d, 0, kv * kv_heads + head,
-// page * layers_in_group + slot) name the box of dims [d, d + 64) of one head's keys (or values)
-// of one page for the layer in `slot`. Box {64, page_size}, 128-byte swizzle (row key's 16-byte
-// chunk c lands at chunk c ^ (key % 8)). Throws std::runtime_error when the driver refuses it.
+// bf16 at `base`, as attention reads them: one box a (page, layer, kv head), its keys and its
+// values (32 KB at head_dim 128, one TMA copy). 5-D {64 dims, page_size keys, head_dim / 64
+// halves, 2 (keys, values), pages * layers_in_group * 2 kv_heads}, so that coordinates
+// (0, 0, 0, 0, (page * layers_in_group + slot) * 2 kv_heads + head) name it; in shared memory it
+// lands as 2 * head_dim / 64 slabs of page_size 128-byte rows (keys' dims [0, 64), [64, 128),
+// then the values'), with the 128-byte swizzle (row key's 16-byte chunk c lands at chunk
+// c ^ (key % 8)). Throws std::runtime_error when the driver refuses it.
 TensorMap make_kv_map(void *base, uint64_t pages, uint32_t layers_in_group, uint32_t kv_heads, uint32_t page_size,
                       uint32_t head_dim);
 
