@@ -63,6 +63,12 @@ __device__ __forceinline__ void red_release(uint32_t *p, uint32_t v) {
     asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
+__device__ __forceinline__ uint32_t load_acquire(const uint32_t *p) {
+    uint32_t v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
 // An add that returns the old value, releasing the CTA's writes (as red_release) and
 // acquiring the writes the earlier adders released.
 __device__ __forceinline__ uint32_t atom_add_acq_rel(uint32_t *p, uint32_t v) {
@@ -343,6 +349,10 @@ struct NormedStaging {
     const Params *p;
     char *smem;
     const bf16 *weight;
+    // The task's own wait (vm.cuh's run_one leaves it to the staging), or none: load() then waits
+    // until *counter reaches target first, and the GEMV issues its first burst before load().
+    const uint32_t *counter = nullptr;
+    uint32_t target = 0;
     // what load() issued (zeroed: read only where loaded, which ptxas cannot see)
     float ss[B][kSsPerLane] = {};
     float4 xa[B] = {}, xb[B] = {};
@@ -357,8 +367,16 @@ struct NormedStaging {
         w = reinterpret_cast<const uint4 *>(weight)[c];
     }
 
+    __device__ __forceinline__ bool waits() const { return counter != nullptr; }
+
     __device__ __forceinline__ void load() {
         const int lane = threadIdx.x & 31;
+        if (counter) {  // lane 0 polls; then each thread's own acquire (it reads what NORM wrote)
+            if (lane == 0)
+                while (load_acquire(counter) < target) __nanosleep(20);
+            __syncwarp();
+            (void)load_acquire(counter);
+        }
 #pragma unroll
         for (int r = 0; r < B; r++)
 #pragma unroll
@@ -392,6 +410,7 @@ struct NormedStaging {
 };
 struct NoStaging {
     static constexpr bool kActive = false;
+    __device__ __forceinline__ bool waits() const { return false; }
     __device__ __forceinline__ void load() {}
     __device__ __forceinline__ void finish() {}
 };
@@ -508,7 +527,7 @@ __device__ __forceinline__ void tile_dot(const bf16 *lo, const bf16 *hi, uint32_
     constexpr int kScale = kTiled ? 16 : 1;
     int k = ka;
     Stage st = stage;
-    if (Stage::kActive && stage_now) {
+    if (Stage::kActive && stage_now && !st.waits()) {
         st.load();
         asm volatile("" ::: "memory");  // its loads issue before the burst's
     }
@@ -521,7 +540,10 @@ __device__ __forceinline__ void tile_dot(const bf16 *lo, const bf16 *hi, uint32_
             wl[i] = load_weight<kTiled>(lo + kScale * (k + 32 * i));
             wh[i] = load_weight<kTiled>(hi + kScale * (k + 32 * i));
         }
-        if (Stage::kActive && stage_now) st.finish(), stage_now = false;
+        if (Stage::kActive && stage_now) {
+            if (st.waits()) st.load();  // the burst in flight through the task's wait
+            st.finish(), stage_now = false;
+        }
         if (ready) mbar_wait(ready, parity);
         if (kWg) {
             wgmma_steps<kStepsInFlight>(acc, wl, wh, in_desc(in_addr, k));
@@ -531,7 +553,10 @@ __device__ __forceinline__ void tile_dot(const bf16 *lo, const bf16 *hi, uint32_
                 mma_k32(acc[i % kChains], wl[i], wh[i], load_in_k32(in_addr, k + 32 * i));
         }
     }
-    if (Stage::kActive && stage_now) st.finish();  // a unit shorter than a burst: staged before its loads
+    if (Stage::kActive && stage_now) {  // a unit shorter than a burst: staged before its loads
+        if (st.waits()) st.load();
+        st.finish();
+    }
 #pragma unroll 1
     for (; k < kb; k += 32) {
         const uint4 l = load_weight<kTiled>(lo + kScale * k), h = load_weight<kTiled>(hi + kScale * k);
@@ -656,12 +681,17 @@ constexpr int kStagedMaxBatch = 2;
 // gemv over the normed input of `tag` (stage_normed's, with the norm's weight), at smem offset 0
 // (`in`). Up to kStagedMaxBatch rows it is staged under the first bursts even when the CTA's last
 // staging was the same (one copy of the GEMV's code instead of two). Ends with a barrier.
+//
+// With `counter` (up to kStagedMaxBatch rows; vm.cuh's run_one then does not wait), the task's
+// wait for counter >= target happens in the staging, after each warp's first weight burst is
+// issued: the burst's round trip overlaps the wait.
 template <int B, class Row>
 __device__ __forceinline__ void gemv_normed(char *smem, const Params &p, const bf16 *weight, int tag, Row row,
-                                            int n_rows, bf16 *in, int K, float *out, float *red) {
+                                            int n_rows, bf16 *in, int K, float *out, float *red,
+                                            const uint32_t *counter = nullptr, uint32_t target = 0) {
     Kept &k = kept(smem);
     if constexpr (B <= kStagedMaxBatch) {
-        const TileDotT<true, NormedStaging<B>> dot{&k.staged, k.staged_uses & 1, {&p, smem, weight}};
+        const TileDotT<true, NormedStaging<B>> dot{&k.staged, k.staged_uses & 1, {&p, smem, weight, counter, target}};
         gemv(row, n_rows, in, K, out, red, dot);
         if (threadIdx.x == 0) k.normed = tag, k.staged_uses++;  // every thread read the count before gemv's barrier
     } else {

@@ -115,13 +115,13 @@ __device__ void route(const Params &p, int layer, char *smem) {
 }
 
 template <int B>
-__device__ void run_router(const Params &p, int layer, int tile, char *smem) {
+__device__ void run_router(const Params &p, int layer, int tile, char *smem, const uint32_t *counter, uint32_t target) {
     const int H = p.hidden, E = p.num_experts, r0 = tile * p.plan.router_rows;
     const int n = min(p.plan.router_rows, E - r0);
     GemvSmem s(smem, H, p.plan.router_rows);
     const bf16 *W = p.layers[layer].router + (size_t)r0 * H;
     gemv_normed<B>(smem, p, p.layers[layer].norm, layer, [&](int r) { return W + (size_t)r * H; }, n, s.in, H, s.out,
-                   s.red);
+                   s.red, counter, target);
     {  // this tile's share of the image: whole 32-wide k blocks
         const int blocks = H / 32, b0 = tile * blocks / p.plan.router_tiles;
         const int b1 = (tile + 1) * blocks / p.plan.router_tiles;

@@ -13,12 +13,6 @@
 
 namespace nmk::mk {
 
-__device__ __forceinline__ uint32_t load_acquire(const uint32_t *p) {
-    uint32_t v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-
 // Waits until counter `c` reaches target: thread 0 polls with acquire loads, then a barrier.
 // Counters only grow during a step, so once the CTA has acquired a counter at a target (the
 // last such wait, in Kept) a wait for no more than that passes without a poll: the writes it
@@ -39,6 +33,14 @@ __device__ __forceinline__ void signal(uint32_t *counter) {
     if (threadIdx.x == 0) red_release(counter, 1u);
 }
 
+// Tasks that wait for their input themselves, after their first weight burst is issued
+// (gemv_normed): the layer's router tiles up to kStagedMaxBatch rows. (QKV's tiles the same
+// measured no faster: benchmarks/NOTES.md, session 30.)
+template <int B>
+__device__ __forceinline__ bool own_wait(const nmk_task &t) {
+    return B <= kStagedMaxBatch && t.wait >= 0 && t.op == NMK_OP_ROUTER;
+}
+
 template <int B>
 __device__ void run_task(const Params &p, const nmk_task &t, char *smem) {
     // Tasks other than these overwrite the normed input at offset 0 (the previous task's
@@ -49,7 +51,8 @@ __device__ void run_task(const Params &p, const nmk_task &t, char *smem) {
     switch (t.op) {
         case NMK_OP_NORM: return run_norm<B>(p, t.layer, false, t.x, smem);
         case NMK_OP_QKV: return run_qkv<B>(p, t.layer, t.x, smem);
-        case NMK_OP_ROUTER: return run_router<B>(p, t.layer, t.x, smem);
+        case NMK_OP_ROUTER:
+            return run_router<B>(p, t.layer, t.x, smem, own_wait<B>(t) ? p.counters + t.wait : nullptr, t.target);
         case NMK_OP_ATTN: return run_attention(p, t.layer, t.x, t.y, t.z & 0xff, t.z >> 8, smem);
         case NMK_OP_OPROJ: return run_oproj<B>(p, t.layer, t.x, smem);
         case NMK_OP_GATE_UP: return run_gate_up<B>(p, t.layer, t.x, t.y, smem);
@@ -79,7 +82,7 @@ template <int B, class Claim, class Fetch>
 __device__ void run_one(const Params &p, uint32_t i, const nmk_task &t, char *smem, Claim claim, Fetch fetch) {
     const bool timed = p.timing && i < p.timing_capacity;
     uint64_t waited = timed ? global_ns() : 0;
-    if (t.wait >= 0) wait_for(p, t.wait, t.target, smem);
+    if (t.wait >= 0 && !own_wait<B>(t)) wait_for(p, t.wait, t.target, smem);
     uint64_t started = timed ? global_ns() : 0;
     run_task<B>(p, t, smem);
     claim();
