@@ -93,8 +93,12 @@ int pages_per_split(const Geometry &g, const nmk_plan &p, int num_sms, const std
     return std::max(kMinSplitPages, ceil_div(work, std::max(1, share)));
 }
 
-// Adds layer l's tasks: NORM, QKV and ROUTER tiles to the lists, then DRAIN of the layer's
-// queue, which gets its GATE_UP, ATTN, DOWN and OPROJ tasks. Every wait of a queue task is on
+// Adds layer l's tasks: NORM, ROUTER and QKV tiles to the lists, then DRAIN of the layer's
+// queue, which gets its GATE_UP, ATTN, DOWN and OPROJ tasks. The ROUTER tiles come right after
+// the NORM tiles, on the next SMs in turn (at North's geometry, SMs with no NORM tile of the
+// layer): up to two rows they issue their weight burst before they wait (vm.cuh's own_wait),
+// so it lands while NORM runs (the routing ~0.6 us sooner, batch 1 +1.3%; benchmarks/NOTES.md,
+// session 31). Every wait of a queue task is on
 // list tasks before the DRAIN or on earlier tasks of the queue. Returns the counter that says
 // the layer's residual inputs are done.
 int add_layer(Builder &b, int l, int prev_done, const std::vector<int> &lens, int num_sms) {
@@ -105,9 +109,9 @@ int add_layer(Builder &b, int l, int prev_done, const std::vector<int> &lens, in
     int done = b.counter();
 
     for (int x = 0; x < p.norm_tiles; x++) b.add(NMK_OP_NORM, l, x, 0, 0, prev_done, normed);
-    for (int x = 0; x < qkv_tiles(g, p); x++) b.add(NMK_OP_QKV, l, x, 0, 0, normed, qkv);
     if (!g.dense[l])
         for (int x = 0; x < p.router_tiles; x++) b.add(NMK_OP_ROUTER, l, x, 0, 0, normed, routed);
+    for (int x = 0; x < qkv_tiles(g, p); x++) b.add(NMK_OP_QKV, l, x, 0, 0, normed, qkv);
     int q = b.drain(l);
 
     // The attention splits go in after the first num_sms - splits expert tiles: the SMs that

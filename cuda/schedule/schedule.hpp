@@ -3,7 +3,7 @@
 //
 // build() lays the forward pass out as stages (norm, qkv, router, gate_up, attention, down,
 // o-proj per layer; then final norm, lm_head, argmax) and splits each stage into tiles. Per
-// layer l the lists get the NORM, QKV and ROUTER tiles dealt round-robin, then DRAIN(l) on
+// layer l the lists get the NORM, ROUTER and QKV tiles dealt round-robin, then DRAIN(l) on
 // every SM; queue l holds the layer's GATE_UP (slot-major; the ATTN tasks (row, kv head,
 // split) after its first num_sms - splits), DOWN (slot-major) and OPROJ tasks, which the SMs
 // drain by work stealing. FINAL_NORM, LM_HEAD
