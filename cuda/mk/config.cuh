@@ -21,7 +21,7 @@ constexpr int kMaxK = 4096;         // widest GEMV input (q width, intermediate 
 constexpr int kMaxNormTiles = 128;  // hidden / norm_cols
 constexpr int kMaxLayers = 128;     // the layer table travels in the kernel's parameters (Params::layers)
 // Attention's KV pages in flight per SM (op_attention.cuh), by the kernel's batch size: 4 from
-// batch 2 on, where attention's splits are longer (batch 8 +0.9% in session 30, batch 2 +0.2%
+// batch 2 on, where attention's splits are longer (batch 8 +0.9% in session 30, batch 2 +0.3%
 // in session 31); 3 at batch 1, where the larger shared memory's smaller L1 costs the GEMVs more
 // than attention gains (-0.7%; benchmarks/NOTES.md).
 __host__ __device__ constexpr int attn_slots(int batch) { return batch >= 2 ? 4 : 3; }
