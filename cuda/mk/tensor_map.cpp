@@ -70,7 +70,8 @@ TensorMap make_kv_map(void *base, uint64_t pages, uint32_t layers_in_group, uint
     const cuuint64_t dims[5] = {64, page_size, head_dim / 64, 2, pages * layers_in_group * 2 * kv_heads};
     const cuuint64_t strides[4] = {row, 128, head * kv_heads, head};
     const cuuint32_t box[5] = {64, page_size, head_dim / 64, 2, 1};
-    if (head_dim % 64) throw std::runtime_error("make_kv_map: head_dim " + std::to_string(head_dim) + " not a multiple of 64");
+    if (head_dim % 64)
+        throw std::runtime_error("make_kv_map: head_dim " + std::to_string(head_dim) + " not a multiple of 64");
     return encode_bf16<5>(base, dims, strides, box,
                           "KV pages " + std::to_string(pages) + " x " + std::to_string(layers_in_group) +
                               " layers, " + std::to_string(kv_heads) + " kv heads, page " + std::to_string(page_size) +
