@@ -191,15 +191,49 @@ def schedule_fields(schedule) -> tuple[np.ndarray, ...]:
             tasks["target"].astype(np.int64), tasks["signal"].astype(np.int64))
 
 
+# Up to this many rows the ROUTER tiles wait for their counter inside their run, after their
+# first weight burst is issued (vm.cuh's own_wait, common.cuh's kStagedMaxBatch): their start
+# stamp precedes the wait.
+OWN_WAIT_MAX_BATCH = 2
+
+
+def waits_in_run(op: np.ndarray, batch: int) -> np.ndarray:
+    """Which tasks (their opcodes, of a step of `batch` rows) wait for their counter inside
+    their run, as the kernel's own_wait."""
+    return (np.asarray(op) == Opcode.ROUTER) & (batch <= OWN_WAIT_MAX_BATCH)
+
+
+def counter_done(times: np.ndarray, wait: np.ndarray, target: np.ndarray, signal: np.ndarray) -> np.ndarray:
+    """Per task, the end stamp of the signal that brought its counter to its target (ns; -1
+    where it waits for nothing). ValueError when a counter has fewer signals than a target."""
+    end = np.asarray(times, dtype=np.int64)[:, 2]
+    ends: dict[int, np.ndarray] = {}
+    for c in np.unique(signal[signal >= 0]):
+        ends[int(c)] = np.sort(end[signal == c])
+    done = np.full(len(wait), -1, dtype=np.int64)
+    for i in np.flatnonzero((wait >= 0) & (target > 0)):
+        e = ends.get(int(wait[i]), np.empty(0, dtype=np.int64))
+        if len(e) < target[i]:
+            raise ValueError(f"task {i} waits for {target[i]} signals of counter {wait[i]}, the step has {len(e)}")
+        done[i] = e[int(target[i]) - 1]
+    return done
+
+
 def check_times(times: np.ndarray, schedule) -> tuple[np.ndarray, ...]:
     """A step's task times as int64 and its Schedule's wait, target and signal fields;
-    ValueError when they do not belong together (another batch, context or SM count)."""
+    ValueError when they do not belong together (another batch, context or SM count). A task
+    that waits inside its run (waits_in_run) gets the start of its run moved to its counter's
+    completion when that came later: its wait is then the wait, and its run what followed."""
     op, layer, wait, target, signal = schedule_fields(schedule)
     times = np.asarray(times, dtype=np.int64)
     if times.ndim != 2 or len(times) != len(op):
         raise ValueError(f"the times have {len(times)} tasks, the schedule {len(op)}: another batch, context or SM count?")
     if not ((times[:, 3] & 0xFF) == op).all() or not (((times[:, 3] >> 8) & 0xFF) == layer).all():
         raise ValueError("the times' opcodes and layers differ from the schedule's: another batch, context or SM count?")
+    inside = waits_in_run(op, int(schedule.plan["batch"])) & (wait >= 0) & (target > 0)
+    if inside.any():
+        times = times.copy()
+        times[inside, 1] = np.maximum(times[inside, 1], counter_done(times, wait, target, signal)[inside])
     return times, wait, target, signal
 
 
@@ -253,7 +287,8 @@ def opcode_means(times: np.ndarray, layers: tuple[int, int] | None = None) -> di
     its tasks in layers [first, last] (default: all but the first two and the last two, whose
     tasks overlap the step's start and end), their mean run and mean wait (us): how two builds'
     steps differ opcode by opcode. The timing records' upper 32 bits (a build's diagnostic
-    marks) are ignored."""
+    marks) are ignored. Without the schedule, a task that waits inside its run (waits_in_run:
+    ROUTER up to two rows) counts that wait in its run."""
     times = np.asarray(times, dtype=np.int64)
     if times.ndim != 2 or times.shape[1] != 4 or len(times) == 0:
         raise ValueError(f"times must be [N, 4] with N > 0; got {times.shape}")

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from northmk import bench
-from northmk.bench_critical import (HOP, START, TURN, context_bucket, counter_hops, critical_path,
-                                    critical_path_of_run, hops_report, opcode_means, opcode_switches, report,
-                                    summarize, switches_report)
+from northmk.bench_critical import (HOP, START, TURN, check_times, context_bucket, counter_done, counter_hops,
+                                    critical_path, critical_path_of_run, hops_report, opcode_means, opcode_switches,
+                                    report, summarize, switches_report, waits_in_run)
 from northmk.bench_simulate import replay_runs, simulate
 from northmk.megakernel import Opcode, Schedule
 from northmk.megakernel_interpreter import execution_order
@@ -127,6 +127,28 @@ def test_a_scheduled_step_chains_from_its_first_task_to_its_last():
     for before, link in zip(chain, chain[1:]):
         assert link.after == before.task
         assert times[link.task, 1] >= times[before.task, 2]
+
+
+def test_a_router_that_waits_inside_its_run_is_read_from_its_counters_completion():
+    # Up to two rows a ROUTER task is stamped as started before its wait for NORM (vm.cuh's
+    # own_wait): the tools that have the schedule read its run from the counter's completion.
+    for rows, inside in (([128, 128], True), ([128, 128, 128], False)):
+        schedule = Schedule(bench.geometry("mk-small"), 4, rows)
+        times = timed_step(schedule)
+        router = (times[:, 3] & 0xFF) == Opcode.ROUTER
+        early = times.copy()
+        early[router, 1] -= 700  # stamped 0.7 us before the counter let them run
+        checked, wait, target, signal = check_times(early, schedule)
+        assert (checked[~router] == early[~router]).all()
+        done = counter_done(early, wait, target, signal)[router]
+        assert (done > early[router, 1]).all()
+        if inside:
+            assert (checked[router, 1] == np.maximum(early[router, 1], done)).all()
+            assert (checked[router, 1] == times[router, 1]).all()  # the timed step's own starts
+            assert all(link.gap_ns >= 0 for link in critical_path(checked, wait, target, signal))
+        else:
+            assert (checked == early).all()
+    assert not waits_in_run(np.array([Opcode.QKV, Opcode.NORM]), 1).any()
 
 
 def test_times_of_another_schedule_are_refused():
