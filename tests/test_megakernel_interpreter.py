@@ -143,6 +143,24 @@ def test_norm_and_router_tasks_are_the_planned_tiles(small):
     assert sorted(s.tasks["x"][s.tasks["op"] == Opcode.FINAL_NORM]) == list(range(p["norm_tiles"]))
 
 
+def test_router_tiles_take_sms_without_a_norm_tile_of_their_layer():
+    # Up to two rows a router tile issues its weight burst before it waits for NORM; dealt right
+    # after the NORM tiles, at North's geometry on 132 SMs, it is on an SM that runs no NORM tile
+    # of the layer, so it reaches the task (and issues the burst) before NORM has run.
+    from northmk import bench
+    from northmk.bench_critical import context_bucket
+
+    s = Schedule(bench.geometry("north"), 132, [context_bucket(8192)])
+    sparse = 0
+    for sm in range(s.num_sms):
+        tasks = s.tasks_of(sm)
+        norms = set(tasks["layer"][tasks["op"] == Opcode.NORM].tolist())
+        routers = set(tasks["layer"][tasks["op"] == Opcode.ROUTER].tolist())
+        assert not norms & routers, f"SM {sm} runs a NORM and a ROUTER tile of layers {sorted(norms & routers)}"
+        sparse += len(routers)
+    assert sparse == s.plan["router_tiles"] * (bench.geometry("north").num_layers - 1)
+
+
 def test_a_combine_task_is_rejected(small):
     config, weights = small
     s = Schedule(config, 7, CONTEXTS)
