@@ -64,6 +64,22 @@ def counter_times(times: np.ndarray, wait: np.ndarray, target: np.ndarray, signa
     return times
 
 
+def completers(times: np.ndarray, wait: np.ndarray, target: np.ndarray, signal: np.ndarray) -> np.ndarray:
+    """Per task, the signaller whose end brought its counter to its target (the target-th by
+    end stamp; -1 where it waits for nothing). ValueError when a counter has fewer signals than
+    a task waits for."""
+    end = np.asarray(times, dtype=np.int64)[:, 2]
+    by_end = {int(c): np.flatnonzero(signal == c)[np.argsort(end[signal == c], kind="stable")]
+              for c in np.unique(signal[signal >= 0])}
+    out = np.full(len(wait), -1, dtype=np.int64)
+    for i in np.flatnonzero((wait >= 0) & (target > 0)):
+        ts = by_end.get(int(wait[i]), np.empty(0, dtype=np.int64))
+        if len(ts) < target[i]:
+            raise ValueError(f"task {i} waits for {target[i]} signals of counter {wait[i]}, the step has {len(ts)}")
+        out[i] = ts[int(target[i]) - 1]
+    return out
+
+
 def critical_path(times: np.ndarray, wait: np.ndarray, target: np.ndarray, signal: np.ndarray) -> list[Link]:
     """The chain that ended last, first link first. times [N, 4] as the bench saves them; wait,
     target, signal [N] the tasks' counter fields (wait -1: none; signal -1: none)."""
@@ -73,25 +89,13 @@ def critical_path(times: np.ndarray, wait: np.ndarray, target: np.ndarray, signa
         return []
     began, start, end = times[:, 0], times[:, 1], times[:, 2]
     op, layer, sm = times[:, 3] & 0xFF, (times[:, 3] >> 8) & 0xFF, (times[:, 3] >> 16) & 0xFFFF
-    signallers: dict[int, list[int]] = defaultdict(list)
-    for i in np.flatnonzero(signal >= 0):
-        signallers[int(signal[i])].append(int(i))
-    by_end = {c: sorted(ts, key=lambda i: end[i]) for c, ts in signallers.items()}
+    deps = [int(j) if j >= 0 else None for j in completers(times, wait, target, signal)]
     previous = [int(j) if j >= 0 else None for j in previous_on_sm(began, sm)]
-
-    def completer(i: int) -> int | None:
-        """The signaller whose end brought task i's counter to its target."""
-        if wait[i] < 0 or target[i] == 0:
-            return None
-        ts = by_end.get(int(wait[i]), [])
-        if len(ts) < target[i]:
-            raise ValueError(f"task {i} waits for {target[i]} signals of counter {wait[i]}, the step has {len(ts)}")
-        return ts[int(target[i]) - 1]
 
     chain = []
     i: int | None = int(np.argmax(end))
     while i is not None:
-        dep, prev = completer(i), previous[i]
+        dep, prev = deps[i], previous[i]
         if dep is not None and (prev is None or end[dep] >= end[prev]):
             how, after, since = HOP, dep, end[dep]
         elif prev is not None:
@@ -146,23 +150,19 @@ def counter_hops(times: np.ndarray, wait: np.ndarray, target: np.ndarray, signal
     (count, median, mean). A task's end stamp follows its signal, so a hop may be slightly
     negative. Arguments as critical_path's."""
     times = counter_times(times, wait, target, signal)
-    start, end, op = times[:, 1], times[:, 2], times[:, 3] & 0xFF
-    ends: dict[int, list[int]] = defaultdict(list)
+    start, op = times[:, 1], times[:, 3] & 0xFF
+    done = counter_done(times, wait, target, signal)
     sources: dict[int, set[str]] = defaultdict(set)
     for i in np.flatnonzero(signal >= 0):
-        ends[int(signal[i])].append(int(end[i]))
         sources[int(signal[i])].add(Opcode(int(op[i])).name)
-    first: dict[tuple[int, int], tuple[int, str]] = {}  # (counter, target) -> earliest waiter's start and opcode
-    for i in np.flatnonzero((wait >= 0) & (target > 0)):
+    first: dict[tuple[int, int], int] = {}  # (counter, target) -> its earliest waiter
+    for i in np.flatnonzero(done >= 0):
         key = (int(wait[i]), int(target[i]))
-        if key not in first or start[i] < first[key][0]:
-            first[key] = (int(start[i]), Opcode(int(op[i])).name)
+        if key not in first or start[i] < start[first[key]]:
+            first[key] = int(i)
     hops: dict[str, list[float]] = defaultdict(list)
-    for (c, t), (begun, waiter) in first.items():
-        done = sorted(ends.get(c, []))
-        if len(done) < t:
-            raise ValueError(f"counter {c} is waited on for {t} signals, the step has {len(done)}")
-        hops[f"{'+'.join(sorted(sources[c]))} -> {waiter}"].append((begun - done[t - 1]) / 1e3)
+    for (c, _), i in first.items():
+        hops[f"{'+'.join(sorted(sources[c]))} -> {Opcode(int(op[i])).name}"].append((start[i] - done[i]) / 1e3)
     return {pair: {"count": len(h), "median_us": float(np.median(h)), "mean_us": float(np.mean(h))}
             for pair, h in sorted(hops.items(), key=lambda kv: -len(kv[1]))}
 
@@ -205,18 +205,9 @@ def waits_in_run(op: np.ndarray, batch: int) -> np.ndarray:
 
 def counter_done(times: np.ndarray, wait: np.ndarray, target: np.ndarray, signal: np.ndarray) -> np.ndarray:
     """Per task, the end stamp of the signal that brought its counter to its target (ns; -1
-    where it waits for nothing). ValueError when a counter has fewer signals than a target."""
-    end = np.asarray(times, dtype=np.int64)[:, 2]
-    ends: dict[int, np.ndarray] = {}
-    for c in np.unique(signal[signal >= 0]):
-        ends[int(c)] = np.sort(end[signal == c])
-    done = np.full(len(wait), -1, dtype=np.int64)
-    for i in np.flatnonzero((wait >= 0) & (target > 0)):
-        e = ends.get(int(wait[i]), np.empty(0, dtype=np.int64))
-        if len(e) < target[i]:
-            raise ValueError(f"task {i} waits for {target[i]} signals of counter {wait[i]}, the step has {len(e)}")
-        done[i] = e[int(target[i]) - 1]
-    return done
+    where it waits for nothing); completers' errors."""
+    by = completers(times, wait, target, signal)
+    return np.where(by >= 0, np.asarray(times, dtype=np.int64)[:, 2][by], -1)
 
 
 def check_times(times: np.ndarray, schedule) -> tuple[np.ndarray, ...]:

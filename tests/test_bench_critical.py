@@ -91,7 +91,7 @@ def test_counter_hops_go_from_the_completing_end_to_the_first_waiter():
     assert hops["QKV -> ATTN"] == {"count": 2, "median_us": 0.75, "mean_us": 0.75}
     text = hops_report(hops)
     assert text.splitlines()[0].startswith("counter hops") and "DOWN+OPROJ -> NORM" in text
-    with pytest.raises(ValueError, match="counter 1 is waited on for 3 signals, the step has 2"):
+    with pytest.raises(ValueError, match="waits for 3 signals of counter 1, the step has 2"):
         counter_hops(times, wait, np.array([0, 0, 2, 2, 3, 1, 0, 1]), signal)
     with pytest.raises(ValueError, match=r"\[N, 4\]"):
         counter_hops(times[:, :3], wait, target, signal)
