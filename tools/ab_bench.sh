@@ -27,6 +27,8 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd) root=$PWD
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+else
+  echo "WARNING: no wheels in .whl/ (carry .whl): the image lacks nvidia-cutlass, which the CUDA build needs"
 fi
 export PATH=$PATH:/usr/local/cuda/bin
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
@@ -39,7 +41,7 @@ jobs=$(( $(nproc) / ${#trees[@]} )); [ "$jobs" -ge 1 ] || jobs=1
 t0=$(date +%s)
 for tree in "${trees[@]}"; do
   name=$(basename "$tree")
-  { cmake -S "$tree" -B "build/ab-$name" -G Ninja -DNORTHMK_CUDA=auto >"$OUT/ab-$name.build.log" 2>&1 &&
+  { cmake -S "$tree" -B "build/ab-$name" -G Ninja -DNORTHMK_CUDA=on >"$OUT/ab-$name.build.log" 2>&1 &&
     cmake --build "build/ab-$name" -j "$jobs" >>"$OUT/ab-$name.build.log" 2>&1; echo $? >"$OUT/ab-$name.build.rc"; } &
 done
 wait
