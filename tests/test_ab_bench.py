@@ -78,6 +78,8 @@ def test_run_benches_each_variant_per_round_and_packs_the_results(clone, tmp_pat
     env = {**os.environ, "OUT": str(out), "AB_ROUNDS": "2", "PATH": f"{bin_dir}:{os.environ['PATH']}"}
     run = ab(clone, "run", "--batch", "1", env=env)
     assert run.returncode == 0, run.stderr
+    # a fresh clone carries no wheels: the run says the CUDA build will miss nvidia-cutlass
+    assert "WARNING: no wheels in .whl/" in run.stdout
     assert "round 1: fake rc=0" in run.stdout and "round 2: fake rc=0" in run.stdout
     assert run.stdout.rstrip().splitlines()[-2:] == ["fake r1  batch 1: 123.4 tok/s", "fake r2  batch 1: 123.4 tok/s"]
     assert (out / "ab-fake-r2" / "decode.json").read_text().startswith("abc1234 decode --out ")
