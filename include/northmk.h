@@ -33,7 +33,7 @@ extern "C" {
 
 /* Bumped on every incompatible change of a declaration below; nmk_abi_version() returns the
  * library's value and bindings refuse a library whose value differs from theirs. */
-#define NMK_ABI_VERSION 7
+#define NMK_ABI_VERSION 8
 
 /* ==== status, errors, versions ==== */
 
@@ -403,14 +403,16 @@ NMK_API nmk_status nmk_sample(const float *logits, uint32_t rows, uint32_t vocab
 
 enum { NMK_MK_MAX_BATCH = 8, NMK_MK_MAX_SPLITS = 64 };
 
-/* Append-only; 0 is never valid so zeroed memory fails loudly. Semantics of v0.4: every task
- * that reads the normed input h but a sparse GATE_UP computes it from x and the partial sums
- * of squares ss of the NORM tiles: rms_b = rsqrt(sum_t ss[b, t] / hidden + eps), h[b, i] =
- * bf16(round_bf16(x[b, i] * rms_b) * norm_weight[i]); the ROUTER tiles write h for the
- * layer's sparse GATE_UP tasks (v0.3: those computed it too, and routed themselves). */
+/* Append-only; 0 is never valid so zeroed memory fails loudly. Semantics of v0.5: the
+ * residual entering layer l is a sum x_l in fp32 that layer l - 1's OPROJ and DOWN tasks add
+ * their outputs into (layer 0's: the embedding, which the NORM tiles write); every task that
+ * reads the normed input h but a sparse GATE_UP computes it from x_l itself: x = bf16(x_l),
+ * rms_b = rsqrt(sum_i x[b, i]^2 / hidden + eps), h[b, i] = bf16(round_bf16(x[b, i] * rms_b) *
+ * norm_weight[i]); the ROUTER tiles write h for the layer's sparse GATE_UP tasks. (v0.4: NORM
+ * tiles closed every layer's residual and FINAL_NORM the last one's.) */
 typedef enum nmk_opcode {
-    NMK_OP_NORM = 1,       /* tile x: hidden cols [x*norm_cols, ...) of every row: x += o + mlp
-                            * (embedding at layer 0); ss[b, x] = sum of x^2 over the slice */
+    NMK_OP_NORM = 1,       /* layer 0 only, tile x: hidden cols [x*norm_cols, ...) of every row's
+                            * embedding into x_0; zeroes the same columns of x_1 */
     NMK_OP_QKV = 2,        /* rows [x*qkv_rows, ...) of qkv @ h; RoPE; k, v into the paged cache */
     NMK_OP_ROUTER = 3,     /* tile x: router_logits[b, e] = bf16(h_b . router[e]), e in
                             * [x*router_rows, ...); h's 32-wide column blocks [x*blocks/tiles,
@@ -421,15 +423,17 @@ typedef enum nmk_opcode {
     NMK_OP_ATTN = 4,       /* row x, kv head y, split z & 0xff of z >> 8: partial softmax(qk)v;
                             * the pair's last split to finish merges all of them into attn_out */
     NMK_OP_COMBINE = 5,    /* retired in v0.3, never emitted (ATTN merges); the checker rejects it */
-    NMK_OP_OPROJ = 6,      /* rows [x*oproj_rows, ...) of o @ attn_out */
+    NMK_OP_OPROJ = 6,      /* rows [x*oproj_rows, ...) of o @ attn_out: adds bf16(x + bf16(o))
+                            * into x_{l+1} (x = bf16(x_l)); zeroes those rows of x_{l+2} */
     NMK_OP_GATE_UP = 7,    /* mlp slot y, intermediate cols [x*cols, ...): silu(gate) * up. On a
                             * sparse layer, of slot_expert[y] (nothing for -1) with the h the
                             * ROUTER tiles wrote. */
     NMK_OP_DOWN = 8,       /* mlp slot y, hidden rows [x*rows, ...) of down @ act, times each row's
-                            * routing weight of the slot (sparse layers) */
-    NMK_OP_FINAL_NORM = 9, /* tile x: NORM over the last layer's outputs */
-    NMK_OP_LM_HEAD = 10,   /* vocab rows [x*lm_rows, ...) of embed @ h (final_norm): scaled
-                            * logits, per-tile argmax */
+                            * routing weight of the slot (sparse layers), added into x_{l+1} */
+    NMK_OP_FINAL_NORM = 9, /* retired in v0.5, never emitted (LM_HEAD normalizes x_L itself);
+                            * the checker rejects it */
+    NMK_OP_LM_HEAD = 10,   /* vocab rows [x*lm_rows, ...) of embed @ h (final_norm, from x_L):
+                            * scaled logits, per-tile argmax */
     NMK_OP_ARGMAX = 11,    /* row x: greedy token from the per-tile argmaxes */
     NMK_OP_DRAIN = 12,     /* list entries only: drain queue x (see above). y = z = 0, wait = -1,
                             * target = 0, signal = -1; layer is free (the builder writes the

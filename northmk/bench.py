@@ -237,8 +237,9 @@ def summarize_tasks(t: torch.Tensor) -> dict:
     """Task times [tasks, 4] (wait, start, end ns; op | layer << 8 | sm << 16, sm the CTA that
     ran it) -> the step's span, the mean layer time, per opcode the tasks and summed run / wait
     time (us), per opcode the mean over layers of its last task's end after the layer's first
-    NORM task began (chain_us) and of its tasks' first start, median start, median end and last
-    end on the same clock (timeline_us), and the summed run time of each SM's tasks: its mean,
+    task (a NORM, QKV or ROUTER tile) began (chain_us) and of its tasks' first start, median
+    start, median end and last end on the same clock (timeline_us), and the summed run time of
+    each SM's tasks: its mean,
     min and max over the SMs that ran a task (sm_busy_us; records without the sm field count
     as SM 0's). DRAIN records, should a kernel write them, count only as opcode DRAIN."""
     op_of, layer_of, sm_of = t[:, 3] & 0xFF, (t[:, 3] >> 8) & 0xFF, (t[:, 3] >> 16) & 0xFFFF
@@ -249,12 +250,13 @@ def summarize_tasks(t: torch.Tensor) -> dict:
             ops[op.name] = {"tasks": len(mine), "run_us": (mine[:, 2] - mine[:, 1]).sum().item() / 1e3,
                             "wait_us": (mine[:, 1] - mine[:, 0]).sum().item() / 1e3,
                             "max_run_us": (mine[:, 2] - mine[:, 1]).max().item() / 1e3}
-    norms = op_of == Opcode.NORM
+    # A layer begins with its first list task: a NORM (layer 0), QKV or ROUTER tile.
+    firsts = (op_of == Opcode.NORM) | (op_of == Opcode.QKV) | (op_of == Opcode.ROUTER)
     chain: dict[str, list[float]] = {}
     timeline: dict[str, list[list[float]]] = {}
     starts = []
-    for layer in layer_of[norms].unique():
-        start = t[norms & (layer_of == layer)][:, 1].min()
+    for layer in layer_of[op_of == Opcode.QKV].unique():
+        start = t[firsts & (layer_of == layer)][:, 1].min()
         starts.append(start.item())
         for op in Opcode:
             mine = t[(op_of == op) & (layer_of == layer)]
@@ -278,12 +280,12 @@ def summarize_tasks(t: torch.Tensor) -> dict:
 def print_profile(prof: dict) -> None:
     print(f"  timed step span {prof['span_us']:.0f} us, {prof['layer_us']:.1f} us per layer; per opcode: tasks, summed run / wait us, longest run us")
     chain = ", ".join(f"{name} {us:.1f}" for name, us in sorted(prof.get("chain_us", {}).items(), key=lambda kv: kv[1]))
-    print(f"  a layer's opcodes done after its first NORM began (us): {chain}")
+    print(f"  a layer's opcodes done after its first task began (us): {chain}")
     for name, o in sorted(prof["ops"].items(), key=lambda kv: -kv[1]["run_us"]):
         print(f"  {name:>10} {o['tasks']:6d} {o['run_us']:12.0f} {o['wait_us']:12.0f} {o['max_run_us']:9.1f}")
     timeline = sorted(prof.get("timeline_us", {}).items(), key=lambda kv: kv[1][0])
     if timeline:
-        print("  after the layer's first NORM began, per opcode: first start, median start, median end, last end (us)")
+        print("  after the layer's first task began, per opcode: first start, median start, median end, last end (us)")
         for name, (first, mid_start, mid_end, last) in timeline:
             print(f"  {name:>10} {first:7.1f} {mid_start:7.1f} {mid_end:7.1f} {last:7.1f}")
 

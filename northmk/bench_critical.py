@@ -15,8 +15,8 @@ length, as links of three kinds:
 
 Per counter, the hop from its last signaller's end to its first waiter's start (counter_hops, in
 the same report): how long a completed stage takes to start the stages that wait for it, by
-the opcodes on either side (the layer's boundary: DOWN and OPROJ -> NORM -> QKV and ROUTER; the
-routing: ROUTER -> GATE_UP).
+the opcodes on either side (the layer's boundary: DOWN and OPROJ -> QKV and ROUTER, through NORM
+in steps before v0.5; the routing: ROUTER -> GATE_UP).
 
 The same times also say what a change of opcode costs a task (opcode_switches, `python -m
 northmk.bench switches`): its run after a task of its own opcode on its SM against after another.
@@ -275,19 +275,19 @@ LAYER_OPS = ("NORM", "QKV", "ROUTER", "ATTN", "OPROJ", "GATE_UP", "DOWN")
 
 def opcode_means(times: np.ndarray, layers: tuple[int, int] | None = None) -> dict:
     """A profiled step's span (us, the first wait to the last end) and, per opcode of LAYER_OPS,
-    its tasks in layers [first, last] (default: all but the first two and the last two, whose
-    tasks overlap the step's start and end), their mean run and mean wait (us): how two builds'
-    steps differ opcode by opcode. The timing records' upper 32 bits (a build's diagnostic
-    marks) are ignored. Without the schedule, a task that waits inside its run (waits_in_run:
-    ROUTER up to two rows) counts that wait in its run."""
+    its tasks in layers [first, last] (default: of the layers with QKV tasks, all but the first
+    two and the last two, whose tasks overlap the step's start and end), their mean run and
+    mean wait (us): how two builds' steps differ opcode by opcode. The timing records' upper 32
+    bits (a build's diagnostic marks) are ignored. Without the schedule, a task that waits inside
+    its run (waits_in_run: ROUTER up to two rows) counts that wait in its run."""
     times = np.asarray(times, dtype=np.int64)
     if times.ndim != 2 or times.shape[1] != 4 or len(times) == 0:
         raise ValueError(f"times must be [N, 4] with N > 0; got {times.shape}")
     op, layer = times[:, 3] & 0xFF, (times[:, 3] >> 8) & 0xFF
-    in_layers = layer[op == Opcode.NORM]
+    in_layers = layer[op == Opcode.QKV]
     if layers is None:
         if len(in_layers) == 0:
-            raise ValueError("the step has no NORM task: give the layers")
+            raise ValueError("the step has no QKV task: give the layers")
         layers = (int(in_layers.min()) + 2, int(in_layers.max()) - 2)
     first, last = layers
     if first > last:

@@ -62,7 +62,7 @@ def task_bytes(config: ModelConfig, schedule, context: int, times: np.ndarray, m
             n = tile(V, plan["lm_rows"], x) * H
         elif op == Opcode.ATTN:
             n = split_pages(c, layer, context - 1, z & 0xFF, z >> 8) * 2 * PAGE_SIZE * c.head_dim
-        else:  # NORM, FINAL_NORM, ARGMAX: a few KB of activations
+        else:  # NORM, ARGMAX (and FINAL_NORM in steps before v0.5): a few KB of activations
             n = 0
         if op in (Opcode.GATE_UP, Opcode.DOWN) and not dense and run_us[i] < min_run_us:
             n = 0
@@ -111,16 +111,16 @@ def report(config: ModelConfig, schedule, context: int, times: np.ndarray, bin_u
         n = int(((tbps >= lo) & (tbps < hi)).sum())
         out.append(f"  {lo:3.1f}-{hi:3.1f} TB/s {n * bin_us:8.0f} us ({n / len(tbps):5.1%})")
     ops, layers = times[:, 3] & 0xFF, (times[:, 3] >> 8) & 0xFF
-    norm_layers = sorted(set(layers[ops == Opcode.NORM].tolist()))
-    if len(norm_layers) < 2:
+    qkv_layers = sorted(set(layers[ops == Opcode.QKV].tolist()))
+    if len(qkv_layers) < 2:
         return "\n".join(out)
-    pick = norm_layers[len(norm_layers) // 2 - 1] if layer is None else layer
-    if pick not in norm_layers or pick + 1 not in norm_layers:
-        raise ValueError(f"--layer must be one of {norm_layers[0]}..{norm_layers[-2]}, got {pick}")
-    begin = (times[(ops == Opcode.NORM) & (layers == pick), 1].min() - t0) / 1e3
-    finish = (times[(ops == Opcode.NORM) & (layers == pick + 1), 1].min() - t0) / 1e3
+    pick = qkv_layers[len(qkv_layers) // 2 - 1] if layer is None else layer
+    if pick not in qkv_layers or pick + 1 not in qkv_layers:
+        raise ValueError(f"--layer must be one of {qkv_layers[0]}..{qkv_layers[-2]}, got {pick}")
+    begin = (times[(ops == Opcode.QKV) & (layers == pick), 1].min() - t0) / 1e3
+    finish = (times[(ops == Opcode.QKV) & (layers == pick + 1), 1].min() - t0) / 1e3
     num_sms = schedule.num_sms
-    out.append(f"layer {pick}: {finish - begin:.1f} us; per bin from its first NORM's start: TB/s, then SMs "
+    out.append(f"layer {pick}: {finish - begin:.1f} us; per bin from its first QKV tile's start: TB/s, then SMs "
                "running " + ", ".join(o.name for o in SHOWN) + ", idle")
     for k in range(int(begin // bin_us), min(int(finish // bin_us) + 1, len(edges))):
         lo = edges[k]

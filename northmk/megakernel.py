@@ -30,11 +30,12 @@ MAX_LAYERS = 128  # layers the kernel's parameters hold (cuda/mk/config.cuh kMax
 
 
 class Opcode(enum.IntEnum):
-    """nmk_opcode, v0.4 semantics (include/northmk.h): NORM / FINAL_NORM tiles write slices
-    of x and their sums of squares; every reader of the normed input normalizes x itself but
-    the sparse GATE_UP tasks, which read what the ROUTER tiles wrote."""
+    """nmk_opcode, v0.5 semantics (include/northmk.h): layer l - 1's OPROJ and DOWN tasks add
+    their outputs into layer l's input sums (layer 0's: the embedding, from the NORM tiles);
+    every reader of the normed input normalizes those sums itself but the sparse GATE_UP
+    tasks, which read what the ROUTER tiles wrote."""
 
-    NORM = 1  # tile x: hidden cols [x * norm_cols, ...): x += o + mlp, ss[b, x]
+    NORM = 1  # layer 0, tile x: hidden cols [x * norm_cols, ...) of the embedding
     QKV = 2
     ROUTER = 3  # tile x: router_logits of experts [x * router_rows, ...); the last one routes
     ATTN = 4  # row x, kv head y, split z & 0xff of z >> 8; the pair's last split merges
@@ -42,7 +43,7 @@ class Opcode(enum.IntEnum):
     OPROJ = 6
     GATE_UP = 7  # on sparse layers of the expert the routing put in slot y
     DOWN = 8
-    FINAL_NORM = 9
+    FINAL_NORM = 9  # retired in v0.5, never emitted: the checker rejects it
     LM_HEAD = 10
     ARGMAX = 11
     DRAIN = 12  # list entry: claim and run the tasks of queue x until none is left (ABI v3)

@@ -4,8 +4,9 @@ It runs a host-built Schedule task by task, in an order the counters allow (each
 in order, a task only once its counter reached its target; an SM at DRAIN(q) claims the
 next unclaimed task of queue q and holds it until it may run, until q is exhausted), on
 the same buffers and with the same bf16 roundings as the kernel's tasks (cuda/mk/op_*.cuh),
-v0.4 semantics (include/northmk.h): NORM tiles write slices of x and their sums of squares, every reader
-of the normed input but a sparse GATE_UP normalizes x itself, ROUTER tiles write their shares
+v0.5 semantics (include/northmk.h): layer l's input is a sum that layer l - 1's OPROJ and DOWN
+tasks add into (layer 0's: the embedding, from the NORM tiles), every reader of the normed input
+but a sparse GATE_UP rounds and normalizes that sum itself, ROUTER tiles write their shares
 of the normed input's image, which sparse GATE_UP tasks read, the last ROUTER tile to run
 routes the layer, DOWN weighs each pick's output by its routing weight, and an attention
 pair's last split to run merges its splits. Set beside the
@@ -68,8 +69,8 @@ class _Step:
         c, B = config, plan["batch"]
         self.c, self.w, self.plan, self.kv = c, weights, plan, kv
         self.tokens, self.positions, self.tables = tokens.tolist(), positions, tables
-        self.x = torch.zeros(B, c.hidden_size)
-        self.ss = torch.zeros(B, plan["norm_tiles"])  # sum of x^2 over each NORM tile's columns
+        # the residual entering layer l at resid[l % 3]: fp32 sums (Params::resid)
+        self.resid = torch.zeros(3, B, c.hidden_size)
         self.router_logits = torch.zeros(B, c.num_experts)
         self.route_ticket = 0  # ROUTER tiles of the layer finished
         self.normed_image = torch.zeros(B, c.hidden_size)  # written by ROUTER tiles in 32-wide k blocks
@@ -77,53 +78,37 @@ class _Step:
         self.part: dict[tuple[int, int, int], tuple] = {}  # (b, kv head, split) -> (acc [G, D], m [G], l [G])
         self.tickets = [[0] * c.num_kv_heads for _ in range(B)]  # finished splits per (row, kv head)
         self.attn = torch.zeros(B, c.q_size)
-        self.o = torch.zeros(B, c.hidden_size)
         self.slot_expert = [-1] * plan["expert_slots"]
         self.slot_k = [[-1] * B for _ in range(plan["expert_slots"])]
         self.topk_weight = torch.zeros(B, c.top_k)
         self.act = torch.zeros(plan["expert_slots"], B, max(c.moe_intermediate_size, c.dense_intermediate_size))
-        self.mlp = torch.zeros(B, c.top_k, c.hidden_size)
         self.logits = torch.zeros(B, c.vocab_size)
         self.trace = MegakernelTrace(torch.zeros(c.num_layers + 1, B, c.hidden_size),
                                      torch.zeros(c.num_layers + 1, B, c.hidden_size),
                                      torch.zeros(c.num_layers + 1, B, c.hidden_size),
                                      torch.full((c.num_layers, B, c.top_k), -1, dtype=torch.long))
 
-    def normed(self, weight: torch.Tensor) -> torch.Tensor:
-        """h [B, H]: x normalized with the NORM tiles' sums of squares, summed in tile order."""
-        ss = self.ss[:, 0].clone()
-        for t in range(1, self.ss.shape[1]):
-            ss += self.ss[:, t]
-        rms = torch.rsqrt(ss / self.c.hidden_size + self.c.norm_eps)
-        return rb(rb(self.x * rms[:, None]) * weight.float())
+    def normed(self, weight: torch.Tensor, layer: int) -> torch.Tensor:
+        """h [B, H]: the input of `layer` (num_layers: of the final norm), its sums rounded to
+        bf16, normalized with their own sums of squares."""
+        x = rb(self.resid[layer % 3])
+        rms = torch.rsqrt(x.pow(2).sum(-1) / self.c.hidden_size + self.c.norm_eps)
+        return rb(rb(x * rms[:, None]) * weight.float())
 
     # ---- tasks (cuda/mk/op_*.cuh) -------------------------------------------------------------
-    def norm(self, layer: int, tile: int, final: bool) -> None:
-        prev, cols = (self.c.num_layers - 1 if final else layer - 1), self.plan["norm_cols"]
+    def norm(self, tile: int) -> None:
+        """Layer 0's input: the embedding's columns of the tile; layer 1's sums zeroed there."""
+        cols = self.plan["norm_cols"]
         span = slice(tile * cols, (tile + 1) * cols)
         for b in range(self.plan["batch"]):
-            if prev < 0:
-                v, attn, mlp = self.w.embed[self.tokens[b], span].float(), 0.0, 0.0
-            else:
-                attn, mlp = self.o[b, span].clone(), self.mlp_out(prev, b, span)
-                v = rb(rb(self.x[b, span] + attn) + mlp)
-            at = prev + 1
-            self.trace.x[at, b, span], self.trace.attn[at, b, span], self.trace.mlp[at, b, span] = v, attn, mlp
-            self.x[b, span] = v
-            self.ss[b, tile] = v.pow(2).sum()
-
-    def mlp_out(self, prev: int, b: int, span: slice) -> torch.Tensor:
-        if self.w.layers[prev].is_dense:
-            return self.mlp[b, 0, span].clone()
-        total = torch.zeros(span.stop - span.start)
-        for k in range(self.c.top_k):  # DOWN weighed each pick's output
-            total = rb(total + self.mlp[b, k, span])
-        return total
+            v = self.w.embed[self.tokens[b], span].float()
+            self.resid[0, b, span], self.resid[1, b, span] = v, 0.0
+            self.trace.x[0, b, span] = v
 
     def qkv(self, layer: int, tile: int) -> None:
         c, rows = self.c, self.plan["qkv_rows"]
         r0, r1 = tile * rows, min((tile + 1) * rows, c.q_size + 2 * c.kv_size)
-        h = self.normed(self.w.layers[layer].norm)
+        h = self.normed(self.w.layers[layer].norm, layer)
         out = rb(h @ self.w.layers[layer].qkv[r0:r1].float().T)  # [B, rows]
         for b, pos in enumerate(self.positions):
             for r in range(r0, r1, 2):
@@ -170,14 +155,19 @@ class _Step:
         self.attn[b].view(c.num_heads, c.head_dim)[kvh * G:(kvh + 1) * G] = rb(out)
 
     def oproj(self, layer: int, tile: int) -> None:
+        """x + attn into the next layer's sums; the layer after next's zeroed."""
         rows = self.plan["oproj_rows"]
         r0, r1 = tile * rows, min((tile + 1) * rows, self.c.hidden_size)
-        self.o[:, r0:r1] = rb(self.attn @ self.w.layers[layer].o[r0:r1].float().T)
+        a = rb(self.attn @ self.w.layers[layer].o[r0:r1].float().T)
+        x = rb(self.resid[layer % 3, :, r0:r1])
+        self.resid[(layer + 1) % 3, :, r0:r1] += rb(x + a)
+        self.resid[(layer + 2) % 3, :, r0:r1] = 0.0
+        self.trace.x[layer, :, r0:r1], self.trace.attn[layer + 1, :, r0:r1] = x, a
 
     def router(self, layer: int, tile: int) -> None:
         rows = self.plan["router_rows"]
         e0, e1 = tile * rows, min((tile + 1) * rows, self.c.num_experts)
-        h = self.normed(self.w.layers[layer].norm)
+        h = self.normed(self.w.layers[layer].norm, layer)
         self.router_logits[:, e0:e1] = rb(h @ self.w.layers[layer].router[e0:e1].float().T)
         tiles, blocks = self.plan["router_tiles"], self.c.hidden_size // 32
         k0, k1 = 32 * (tile * blocks // tiles), 32 * ((tile + 1) * blocks // tiles)
@@ -188,7 +178,7 @@ class _Step:
             self.route(layer)
 
     def route(self, layer: int) -> None:
-        """The routing of `layer` from all of router_logits, published for GATE_UP, DOWN and NORM."""
+        """The routing of `layer` from all of router_logits, published for GATE_UP and DOWN."""
         experts, weights = route(self.router_logits, self.c.top_k)
         self.slot_expert, self.slot_k = expert_slots(experts, self.plan["expert_slots"])
         self.topk_weight[:], self.trace.experts[layer] = weights, experts
@@ -196,7 +186,7 @@ class _Step:
     def gate_up(self, layer: int, tile: int, y: int) -> None:
         lw = self.w.layers[layer]
         if lw.is_dense:
-            gate_up, h = lw.gate_up, self.normed(lw.norm)
+            gate_up, h = lw.gate_up, self.normed(lw.norm, layer)
         elif self.slot_expert[y] < 0:
             return
         else:
@@ -222,18 +212,22 @@ class _Step:
         inter = down.shape[1]
         for b, k in routed:  # weighted as the reference weighs it: bf16(w * bf16(out)); dense: w = 1
             out = rb(self.act[y, b, :inter] @ down[r0:r1].float().T)
-            self.mlp[b, k, r0:r1] = out if lw.is_dense else rb(self.topk_weight[b, k] * out)
+            v = out if lw.is_dense else rb(self.topk_weight[b, k] * out)
+            self.resid[(layer + 1) % 3, b, r0:r1] += v  # into the next layer's sums
+            self.trace.mlp[layer + 1, b, r0:r1] += v
 
     def lm_head(self, tile: int) -> None:
         rows = self.plan["lm_rows"]
         r0, r1 = tile * rows, min((tile + 1) * rows, self.c.vocab_size)
-        h = self.normed(self.w.final_norm)
+        h = self.normed(self.w.final_norm, self.c.num_layers)
         self.logits[:, r0:r1] = rb(h @ self.w.embed[r0:r1].float().T) * self.c.logit_scale
 
     def run(self, t) -> None:
         op, layer, x, y, z = Opcode(int(t["op"])), int(t["layer"]), int(t["x"]), int(t["y"]), int(t["z"])
-        if op in (Opcode.NORM, Opcode.FINAL_NORM):
-            self.norm(layer, x, op == Opcode.FINAL_NORM)
+        if op == Opcode.NORM:
+            self.norm(x)
+        elif op == Opcode.FINAL_NORM:
+            raise ValueError("opcode FINAL_NORM is retired (v0.5): the LM head normalizes the last layer's sums")
         elif op == Opcode.QKV:
             self.qkv(layer, x)
         elif op == Opcode.ROUTER:
@@ -250,9 +244,10 @@ class _Step:
             self.down(layer, x, y)
         elif op == Opcode.LM_HEAD:
             self.lm_head(x)
+        elif op == Opcode.ARGMAX:  # the greedy token is logits.argmax, read by the caller
+            self.trace.x[self.c.num_layers, x] = rb(self.resid[self.c.num_layers % 3, x])
         elif op == Opcode.DRAIN:
             raise ValueError("a DRAIN entry is not a task: execution_order claims its queue's tasks instead")
-        # ARGMAX: the greedy token is logits.argmax, read by the caller
 
 
 def execution_order(schedule: Schedule) -> list[tuple[int, int]]:

@@ -215,25 +215,25 @@ def test_opcode_switches_split_each_opcodes_runs_by_the_sms_previous_task(tmp_pa
 
 
 def test_opcode_means_average_the_middle_layers_tasks_and_put_steps_side_by_side(tmp_path, capsys):
-    # Layers 0..5 of NORM (1 us) and GATE_UP tasks; layer l's GATE_UP runs 2 + l us after
+    # Layers 0..5 of QKV (1 us) and GATE_UP tasks; layer l's GATE_UP runs 2 + l us after
     # waiting l us, so the middle layers 2..3 average 4.5 us run and 2.5 us wait. Marks in the
     # upper 32 bits of a record are not part of the opcode or layer.
     rows = []
     for layer in range(6):
         t0 = layer * 100_000
-        rows.append(record(Opcode.NORM, 0, t0, t0, t0 + 1_000, layer))
+        rows.append(record(Opcode.QKV, 0, t0, t0, t0 + 1_000, layer))
         rows.append(record(Opcode.GATE_UP, 1, t0, t0 + layer * 1_000, t0 + layer * 1_000 + (2 + layer) * 1_000, layer))
     times = np.array(rows, dtype=np.int64)
     times[:, 3] |= 0x7F << 40
     m = opcode_means(times)
     assert m["layers"] == (2, 3) and m["span_us"] == pytest.approx(512.0)
     assert m["ops"]["GATE_UP"] == {"tasks": 2, "run_us": pytest.approx(4.5), "wait_us": pytest.approx(2.5)}
-    assert m["ops"]["NORM"] == {"tasks": 2, "run_us": pytest.approx(1.0), "wait_us": 0.0}
-    assert set(m["ops"]) == {"NORM", "GATE_UP"}
+    assert m["ops"]["QKV"] == {"tasks": 2, "run_us": pytest.approx(1.0), "wait_us": 0.0}
+    assert set(m["ops"]) == {"QKV", "GATE_UP"}
     assert opcode_means(times, (0, 5))["ops"]["GATE_UP"]["run_us"] == pytest.approx(4.5)
     with pytest.raises(ValueError, match="no layers in 4:3"):
         opcode_means(times, (4, 3))
-    with pytest.raises(ValueError, match="no NORM task"):
+    with pytest.raises(ValueError, match="no QKV task"):
         opcode_means(times[times[:, 3] & 0xFF == Opcode.GATE_UP])
     with pytest.raises(ValueError, match=r"\[N, 4\]"):
         opcode_means(times[:, :3])
@@ -244,7 +244,7 @@ def test_opcode_means_average_the_middle_layers_tasks_and_put_steps_side_by_side
     np.save(b, slower)
     assert bench.main(["ops", str(a), str(b)]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[1].split() == ["span", "us", "layers", "NORM", "GATE_UP"]
+    assert out[1].split() == ["span", "us", "layers", "QKV", "GATE_UP"]
     assert out[2].split() == [str(a), "512.0", "2-3", "1.00/0.00", "4.50/2.50"]
     assert out[3].split() == [str(b), "513.0", "2-3", "1.00/0.00", "5.50/2.50"]
     assert bench.main(["ops", str(a), "--layers", "0:1"]) == 0

@@ -136,29 +136,12 @@ def test_norm_and_router_tasks_are_the_planned_tiles(small):
     s = Schedule(config, 7, CONTEXTS)
     p = s.plan
     assert p["norm_tiles"] == 256 // 32 and p["router_rows"] == 16 and p["router_tiles"] == 3  # 16 + 16 + 8
-    for layer in range(config.num_layers):
+    for layer in range(config.num_layers):  # NORM tiles write layer 0's input only
         of_layer = s.tasks[s.tasks["layer"] == layer]
-        assert sorted(of_layer["x"][of_layer["op"] == Opcode.NORM]) == list(range(p["norm_tiles"]))
+        norms = sorted(of_layer["x"][of_layer["op"] == Opcode.NORM])
+        assert norms == (list(range(p["norm_tiles"])) if layer == 0 else [])
         assert sorted(of_layer["x"][of_layer["op"] == Opcode.ROUTER]) == ([] if layer == 0 else [0, 1, 2])
-    assert sorted(s.tasks["x"][s.tasks["op"] == Opcode.FINAL_NORM]) == list(range(p["norm_tiles"]))
-
-
-def test_router_tiles_take_sms_without_a_norm_tile_of_their_layer():
-    # Up to two rows a router tile issues its weight burst before it waits for NORM; dealt right
-    # after the NORM tiles, at North's geometry on 132 SMs, it is on an SM that runs no NORM tile
-    # of the layer, so it reaches the task (and issues the burst) before NORM has run.
-    from northmk import bench
-    from northmk.bench_critical import context_bucket
-
-    s = Schedule(bench.geometry("north"), 132, [context_bucket(8192)])
-    sparse = 0
-    for sm in range(s.num_sms):
-        tasks = s.tasks_of(sm)
-        norms = set(tasks["layer"][tasks["op"] == Opcode.NORM].tolist())
-        routers = set(tasks["layer"][tasks["op"] == Opcode.ROUTER].tolist())
-        assert not norms & routers, f"SM {sm} runs a NORM and a ROUTER tile of layers {sorted(norms & routers)}"
-        sparse += len(routers)
-    assert sparse == s.plan["router_tiles"] * (bench.geometry("north").num_layers - 1)
+    assert Opcode.FINAL_NORM not in s.tasks["op"], "retired in v0.5: the LM head normalizes the last layer's sums"
 
 
 def test_a_combine_task_is_rejected(small):
@@ -171,6 +154,19 @@ def test_a_combine_task_is_rejected(small):
     s.tasks = tasks
     kv, tables = cache(config, CONTEXTS)
     with pytest.raises(ValueError, match="COMBINE is retired"):
+        run_schedule(config, weights, s, TOKENS, [c - 1 for c in CONTEXTS], tables, kv)
+
+
+def test_a_final_norm_task_is_rejected(small):
+    config, weights = small
+    s = Schedule(config, 7, CONTEXTS)
+    tasks = s.tasks.copy()
+    tasks["op"][np.flatnonzero(tasks["op"] == Opcode.NORM)[0]] = Opcode.FINAL_NORM
+    with pytest.raises(NativeError, match="retired opcode FINAL_NORM"):
+        check_schedule(config, s.plan, tasks, s.sm_offsets, s.queue_offsets)
+    s.tasks = tasks
+    kv, tables = cache(config, CONTEXTS)
+    with pytest.raises(ValueError, match="FINAL_NORM is retired"):
         run_schedule(config, weights, s, TOKENS, [c - 1 for c in CONTEXTS], tables, kv)
 
 
@@ -187,14 +183,13 @@ def test_the_last_router_tile_routes_as_the_reference_top_k_including_ties(small
     kv, tables = cache(config, CONTEXTS)
     step = _Step(config, weights, s.plan, TOKENS, [c - 1 for c in CONTEXTS], tables, kv)
     gen = torch.Generator().manual_seed(4)
-    step.x = rb(torch.randn(B, config.hidden_size, generator=gen))
-    step.ss = step.x.view(B, -1, 128).pow(2).sum(-1)
+    step.resid[layer % 3] = torch.randn(B, config.hidden_size, generator=gen)  # the layer's input sums
     routers = [t for t in s.tasks if t["op"] == Opcode.ROUTER and t["layer"] == layer]
     assert len(routers) > 1, "several ROUTER tiles"
     for t in routers:
         step.run(t)
     assert step.route_ticket == 0, "the last tile rezeroes the ticket"
-    assert torch.equal(step.normed_image, step.normed(weights.layers[layer].norm)), "the tiles wrote all of h"
+    assert torch.equal(step.normed_image, step.normed(weights.layers[layer].norm, layer)), "the tiles wrote all of h"
     logits = rb(torch.randn(B, E, generator=gen))
     logits[0, [9, 4, 30]] = 3.0  # a three-way tie for two places: 4 and 9
     logits[1] = 0.5  # all tied: 0 and 1
@@ -215,7 +210,7 @@ def test_the_last_router_tile_routes_as_the_reference_top_k_including_ties(small
     assert torch.equal(step.topk_weight, rb(torch.sigmoid(logits.gather(1, torch.tensor(expected)))))
     used = sorted({e for row in expected for e in row})
     assert step.slot_expert == used + [-1] * (s.plan["expert_slots"] - len(used))
-    h = step.normed(weights.layers[layer].norm)
+    h = step.normed(weights.layers[layer].norm, layer)
     inter = config.moe_intermediate_size
     for y, e in enumerate(used):
         assert step.slot_k[y] == [row.index(e) if e in row else -1 for row in expected]

@@ -54,6 +54,12 @@ __device__ __forceinline__ uint4 load_l2(const uint4 *p) { return __ldcg(p); }
 __device__ __forceinline__ uint2 load_l2(const uint2 *p) { return __ldcg(p); }
 __device__ __forceinline__ int32_t load_l2(const int32_t *p) { return __ldcg(p); }
 
+// The residual entering layer l (l = num_layers: the final norm's input), [B][H] fp32 sums
+// (Params::resid).
+__device__ __forceinline__ float *resid_of(const Params &p, int l) {
+    return p.resid + (size_t)(l % 3) * NMK_MK_MAX_BATCH * p.hidden;
+}
+
 // Counters between CTAs. After a barrier, one thread publishes the CTA's writes with a release
 // add (cumulative over what the barrier ordered before it): MEMBAR.ALL.GPU and the add. A
 // fence.acq_rel before a relaxed add (CUTLASS's GenericBarrier) also invalidates L1 (CCTL.IVALL),
@@ -61,6 +67,12 @@ __device__ __forceinline__ int32_t load_l2(const int32_t *p) { return __ldcg(p);
 // sequentially consistent MEMBAR.SC.
 __device__ __forceinline__ void red_release(uint32_t *p, uint32_t v) {
     asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// Four fp32 adds to 16-byte aligned p[0..3] in one reduction (the residual's sums).
+__device__ __forceinline__ void red_add4(float *p, float4 v) {
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w)
+                 : "memory");
 }
 
 __device__ __forceinline__ uint32_t load_acquire(const uint32_t *p) {
@@ -209,7 +221,10 @@ constexpr int kMaxGemvItems = 32;  // (16-row tile, k part) work items of one GE
 
 struct Kept {
     int normed;  // whose normed input sits at offset 0: a layer, num_layers for the final norm, -1 none
-    float rms[NMK_MK_MAX_BATCH];  // stage_normed's scratch
+    // The staged input's sums of squares, per warp and row; NormedStaging's warps arrive on ss_ready
+    // (kWarps arrivals, one phase per staged GEMV) once theirs are written.
+    float ss_part[kWarps][NMK_MK_MAX_BATCH];
+    uint64_t ss_ready;
     uint32_t claimed;             // the drain's claimed task (vm.cuh): its index and descriptor
     nmk_task claimed_task;
     int seen;             // a counter this CTA has seen reach seen_target this step (vm.cuh's wait), -1 none
@@ -240,6 +255,7 @@ __device__ __forceinline__ void kept_init(char *smem) {
     mbar_init(&k.image_full, 1);
     mbar_init(&k.image_empty, kThreads);
     mbar_init(&k.staged, kThreads);
+    mbar_init(&k.ss_ready, kWarps);
     mbar_init_fence();
     k.image_uses = 0;
     k.staged_uses = 0;
@@ -275,9 +291,9 @@ __device__ __forceinline__ void stage_image_end(char *smem, ImageCopy c) {
     if (threadIdx.x == 0) k.image_uses++;
 }
 
-// Chunk c (8 columns) of the B rows of a normed input, from each row's x (two float4) and rms
-// and the norm's weight (8 bf16): bf16(round(x * rms) * weight), the roundings of the
-// reference's RMSNorm.
+// Chunk c (8 columns) of the B rows of a normed input, from each row's x (two float4, bf16
+// values) and rms and the norm's weight (8 bf16): bf16(round(x * rms) * weight), the roundings of
+// the reference's RMSNorm.
 template <int B>
 __device__ __forceinline__ void store_normed_chunk(bf16 *dst, int c, const float4 (&xa)[B], const float4 (&xb)[B],
                                                    const float *rms, uint4 w) {
@@ -296,116 +312,183 @@ __device__ __forceinline__ void store_normed_chunk(bf16 *dst, int c, const float
     }
 }
 
-// The normed residual as a GEMV input at smem offset 0: h =
-// bf16(round(x * rms) * weight), rms from the NORM tiles' sums of squares (the roundings of
-// the reference's RMSNorm). `tag` names the norm (a layer, or num_layers for the final one):
-// when the CTA's last staging was the same, the input is still there and nothing is read.
-// Each thread loads its chunk of every row before the sums of squares come back. Ends with
-// a barrier.
+__device__ __forceinline__ float4 round_bf16(float4 v) {
+    return make_float4(round_bf16(v.x), round_bf16(v.y), round_bf16(v.z), round_bf16(v.w));
+}
+
+// Chunk c of the B rows of the residual sums of `tag` (not yet rounded).
+template <int B>
+__device__ __forceinline__ void load_x_chunk(const Params &p, int tag, int c, float4 (&xa)[B], float4 (&xb)[B]) {
+    const float *x = resid_of(p, tag);
+#pragma unroll
+    for (int r = 0; r < B; r++) {
+        const float4 *row = reinterpret_cast<const float4 *>(x + (size_t)r * p.hidden) + 2 * c;
+        xa[r] = load_l2(row), xb[r] = load_l2(row + 1);
+    }
+}
+
+// The thread's sums of squares of x over its chunks (threadIdx.x, + kThreads, ...): the first
+// one's values in xa and xb (loaded, rounded here), the others loaded here.
+template <int B>
+__device__ __forceinline__ void chunk_squares(const Params &p, int tag, float4 (&xa)[B], float4 (&xb)[B],
+                                              float (&ss)[B]) {
+    const int chunks = p.hidden / 8;
+#pragma unroll
+    for (int r = 0; r < B; r++) {
+        xa[r] = round_bf16(xa[r]), xb[r] = round_bf16(xb[r]);
+        const float4 u = xa[r], v = xb[r];
+        ss[r] = threadIdx.x < chunks ? u.x * u.x + u.y * u.y + u.z * u.z + u.w * u.w + v.x * v.x + v.y * v.y +
+                                           v.z * v.z + v.w * v.w
+                                     : 0.f;
+    }
+#pragma unroll 1
+    for (int c = threadIdx.x + kThreads; c < chunks; c += kThreads) {  // hidden > 8 * kThreads
+        float4 ya[B], yb[B];
+        load_x_chunk<B>(p, tag, c, ya, yb);
+#pragma unroll
+        for (int r = 0; r < B; r++) {
+            const float4 u = round_bf16(ya[r]), v = round_bf16(yb[r]);
+            ss[r] += u.x * u.x + u.y * u.y + u.z * u.z + u.w * u.w + v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+        }
+    }
+}
+
+// The warp's sums of squares of each row into Kept::ss_part. The B rows' sums share the
+// shuffles: each round of the first log2(P) (P: B rounded up to a power of two) halves the
+// values a lane holds, a lane keeping the half its bit selects and adding its partner's (P - 1
+// shuffles in all, not 5 B), so that lane l ends with row (l >> (5 - log2 P)) % P's sum over
+// the lanes that share those bits; the last rounds add over the remaining bits.
+template <int B>
+__device__ __forceinline__ void warp_squares(char *smem, const float (&ss)[B]) {
+    constexpr int P = B <= 1 ? 1 : B <= 2 ? 2 : B <= 4 ? 4 : 8;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    float v[P];
+#pragma unroll
+    for (int r = 0; r < P; r++) v[r] = r < B ? ss[r] : 0.f;
+    int o = 16;
+#pragma unroll
+    for (int half = P / 2; half >= 1; half /= 2, o /= 2) {
+        const bool upper = lane & o;
+#pragma unroll
+        for (int j = 0; j < half; j++) {
+            const float got = __shfl_xor_sync(0xffffffffu, upper ? v[j] : v[j + half], o);
+            v[j] = (upper ? v[j + half] : v[j]) + got;
+        }
+    }
+#pragma unroll
+    for (; o >= 1; o /= 2) v[0] += __shfl_xor_sync(0xffffffffu, v[0], o);
+    const int row = (lane >> (5 - (P == 8 ? 3 : P == 4 ? 2 : P == 2 ? 1 : 0))) % P;
+    if (row < B && (lane & (32 / P - 1)) == 0) kept(smem).ss_part[warp][row] = v[0];
+}
+
+// Each row's rms from the warps' sums of squares (in warp order).
+template <int B>
+__device__ __forceinline__ void rms_of(char *smem, const Params &p, float (&rms)[B]) {
+    const Kept &k = kept(smem);
+#pragma unroll
+    for (int r = 0; r < B; r++) {
+        float s = 0.f;
+#pragma unroll
+        for (int w = 0; w < kWarps; w++) s += k.ss_part[w][r];
+        rms[r] = rsqrtf(s / p.hidden + p.norm_eps);
+    }
+}
+
+// Normalizes and stores the thread's chunks (the first one's values in xa and xb, the others
+// loaded again).
+template <int B>
+__device__ __forceinline__ void store_normed_chunks(char *smem, const Params &p, int tag, const bf16 *weight,
+                                                    float4 (&xa)[B], float4 (&xb)[B], uint4 w, const float (&rms)[B]) {
+    bf16 *dst = reinterpret_cast<bf16 *>(smem);
+    const int chunks = p.hidden / 8;
+    if (threadIdx.x < chunks) store_normed_chunk<B>(dst, threadIdx.x, xa, xb, rms, w);
+#pragma unroll 1
+    for (int c = threadIdx.x + kThreads; c < chunks; c += kThreads) {
+        load_x_chunk<B>(p, tag, c, xa, xb);
+        w = reinterpret_cast<const uint4 *>(weight)[c];
+#pragma unroll
+        for (int r = 0; r < B; r++) xa[r] = round_bf16(xa[r]), xb[r] = round_bf16(xb[r]);
+        store_normed_chunk<B>(dst, c, xa, xb, rms, w);
+    }
+}
+
+// The normed residual of `tag` (a layer, or num_layers for the final norm) as a GEMV input at
+// smem offset 0: h = bf16(round(x * rms) * weight), x the residual's sums rounded to bf16 and
+// rms from their sums of squares (the roundings of the reference's RMSNorm). When the CTA's
+// last staging was the same, the input is still there and nothing is read. Ends with a barrier.
 template <int B>
 __device__ __forceinline__ void stage_normed(char *smem, const Params &p, const bf16 *weight, int tag) {
     Kept &k = kept(smem);
     if (k.normed == tag) return;
-    bf16 *dst = reinterpret_cast<bf16 *>(smem);
-    float *rms = k.rms;
-    const int H = p.hidden, chunks = H / 8, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    if (warp < B) {
-        float ss = 0.f;
-        for (int t = lane; t < p.plan.norm_tiles; t += 32) ss += load_l2(p.ss + warp * kMaxNormTiles + t);
-        ss = warp_sum(ss);
-        if (lane == 0) rms[warp] = rsqrtf(ss / H + p.norm_eps);
+    float4 xa[B] = {}, xb[B] = {};
+    uint4 w{};
+    float ss[B], rms[B];
+    if (threadIdx.x < p.hidden / 8) {
+        load_x_chunk<B>(p, tag, threadIdx.x, xa, xb);
+        w = reinterpret_cast<const uint4 *>(weight)[threadIdx.x];
     }
-    // Chunk c of every row; the first round's loads are in flight across the barrier.
-#pragma unroll 1
-    for (int c = threadIdx.x; c < (chunks + kThreads - 1) / kThreads * kThreads; c += kThreads) {
-        const bool mine = c < chunks;
-        float4 xa[B] = {}, xb[B] = {};
-        uint4 w{};
-#pragma unroll
-        for (int r = 0; r < B; r++) {
-            const float4 *x = reinterpret_cast<const float4 *>(p.x + (size_t)r * H) + 2 * c;
-            if (mine) xa[r] = load_l2(x), xb[r] = load_l2(x + 1);
-        }
-        if (mine) w = reinterpret_cast<const uint4 *>(weight)[c];
-        if (c < kThreads) __syncthreads();  // rms; every thread's first round
-        if (mine) store_normed_chunk<B>(dst, c, xa, xb, rms, w);
-    }
+    chunk_squares<B>(p, tag, xa, xb, ss);
+    warp_squares<B>(smem, ss);
+    __syncthreads();
+    rms_of<B>(smem, p, rms);
+    store_normed_chunks<B>(smem, p, tag, weight, xa, xb, w, rms);
     fence_proxy_async_shared();
     __syncthreads();
     if (threadIdx.x == 0) k.normed = tag;  // every thread read it above, before the barrier
 }
 
 // A GEMV's normed input (stage_normed's values) staged by the CTA's threads around their first
-// weight burst, with no barrier (a Stage for TileDotT): load() issues the thread's loads (every
-// warp sums the NORM tiles' sums of squares of every row itself, and the thread's first chunk of
-// x and of the norm's weight) before the burst's; finish(), once the burst is issued, normalizes
-// and stores the chunk (loading any further chunks then), and arrives on Kept::staged. Every warp
-// waits for all kThreads arrivals before its first mma. The staging's loads go first: queued
-// behind a burst's 64 KB they would come back with it.
+// weight burst, with no CTA barrier (a Stage for TileDotT): load() issues the thread's loads (its
+// first chunk of x and of the norm's weight) before the burst's; finish(), once the burst is
+// issued, sums the chunk's squares, publishes the warp's sums (Kept::ss_part, ss_ready), waits
+// for every warp's, then normalizes and stores the chunk (loading any further chunks then), and
+// arrives on Kept::staged. Every warp waits for all kThreads arrivals before its first mma. The
+// staging's loads go first: queued behind a burst's 64 KB they would come back with it.
 template <int B>
 struct NormedStaging {
     static constexpr bool kActive = true;
-    static constexpr int kSsPerLane = kMaxNormTiles / 32;
     const Params *p;
     char *smem;
     const bf16 *weight;
+    int tag;
+    uint32_t parity;  // of this staging's phase of Kept::ss_ready
     // The task's own wait (vm.cuh's run_one leaves it to the staging), or none: load() then waits
     // until *counter reaches target first, and the GEMV issues its first burst before load().
     const uint32_t *counter = nullptr;
     uint32_t target = 0;
     // what load() issued (zeroed: read only where loaded, which ptxas cannot see)
-    float ss[B][kSsPerLane] = {};
     float4 xa[B] = {}, xb[B] = {};
     uint4 w = {};
-
-    __device__ __forceinline__ void load_chunk(int c) {
-#pragma unroll
-        for (int r = 0; r < B; r++) {
-            const float4 *x = reinterpret_cast<const float4 *>(p->x + (size_t)r * p->hidden) + 2 * c;
-            xa[r] = load_l2(x), xb[r] = load_l2(x + 1);
-        }
-        w = reinterpret_cast<const uint4 *>(weight)[c];
-    }
 
     __device__ __forceinline__ bool waits() const { return counter != nullptr; }
 
     __device__ __forceinline__ void load() {
         const int lane = threadIdx.x & 31;
-        if (counter) {  // lane 0 polls; then each thread's own acquire (it reads what NORM wrote)
+        if (counter) {  // lane 0 polls; then each thread's own acquire (it reads what the layer wrote)
             if (lane == 0)
                 while (load_acquire(counter) < target) __nanosleep(20);
             __syncwarp();
             (void)load_acquire(counter);
         }
-#pragma unroll
-        for (int r = 0; r < B; r++)
-#pragma unroll
-            for (int i = 0; i < kSsPerLane; i++) {
-                const int t = lane + 32 * i;
-                ss[r][i] = t < p->plan.norm_tiles ? load_l2(p->ss + r * kMaxNormTiles + t) : 0.f;
-            }
-        if (threadIdx.x < p->hidden / 8) load_chunk(threadIdx.x);
+        if (threadIdx.x < p->hidden / 8) {
+            load_x_chunk<B>(*p, tag, threadIdx.x, xa, xb);
+            w = reinterpret_cast<const uint4 *>(weight)[threadIdx.x];
+        }
     }
 
     __device__ __forceinline__ void finish() {
-        bf16 *dst = reinterpret_cast<bf16 *>(smem);
-        const int H = p->hidden, chunks = H / 8;
-        float rms[B];
-#pragma unroll
-        for (int r = 0; r < B; r++) {
-            float sum = 0.f;
-#pragma unroll
-            for (int i = 0; i < kSsPerLane; i++) sum += ss[r][i];
-            rms[r] = rsqrtf(warp_sum(sum) / H + p->norm_eps);
-        }
-#pragma unroll 1
-        for (int c = threadIdx.x; c < chunks; c += kThreads) {
-            if (c != threadIdx.x) load_chunk(c);
-            store_normed_chunk<B>(dst, c, xa, xb, rms, w);
-        }
+        Kept &k = kept(smem);
+        float ss[B], rms[B];
+        chunk_squares<B>(*p, tag, xa, xb, ss);
+        warp_squares<B>(smem, ss);
+        __syncwarp();
+        if ((threadIdx.x & 31) == 0) mbar_arrive(&k.ss_ready);
+        mbar_wait(&k.ss_ready, parity);
+        rms_of<B>(smem, *p, rms);
+        store_normed_chunks<B>(smem, *p, tag, weight, xa, xb, w, rms);
         // for a later wgmma reader of the input (a sparse GATE_UP of the layer on this CTA keeps it)
         fence_proxy_async_shared();
-        mbar_arrive(&kept(smem).staged);
+        mbar_arrive(&k.staged);
     }
 };
 struct NoStaging {
@@ -691,7 +774,8 @@ __device__ __forceinline__ void gemv_normed(char *smem, const Params &p, const b
                                             const uint32_t *counter = nullptr, uint32_t target = 0) {
     Kept &k = kept(smem);
     if constexpr (B <= kStagedMaxBatch) {
-        const TileDotT<true, NormedStaging<B>> dot{&k.staged, k.staged_uses & 1, {&p, smem, weight, counter, target}};
+        const uint32_t parity = k.staged_uses & 1;
+        const TileDotT<true, NormedStaging<B>> dot{&k.staged, parity, {&p, smem, weight, tag, parity, counter, target}};
         gemv(row, n_rows, in, K, out, red, dot);
         if (threadIdx.x == 0) k.normed = tag, k.staged_uses++;  // every thread read the count before gemv's barrier
     } else {

@@ -78,8 +78,11 @@ struct Params {
     float *logits;
     int32_t *next_tokens;
     // scratch (B = NMK_MK_MAX_BATCH rows each)
-    float *x;          // [B, H] residual stream
-    float *ss;         // [B, kMaxNormTiles] sums of squares of x per NORM tile (consumers normalize)
+    // [3, B, H] the residual stream: the input of layer l (l = num_layers: of the final norm)
+    // at resid_of(l), as fp32 sums. Layer 0's NORM tiles write the embedding there; layer l's
+    // o-proj tiles add x + attn (rounded to bf16) into l + 1's and zero l + 2's, its DOWN tiles add
+    // the weighted expert outputs; its readers round each sum to bf16 (the reference's residual).
+    float *resid;
     float *router_logits;  // [B, E]
     uint32_t *route_ticket;  // ROUTER tiles of the layer finished; the last one routes and rezeroes
     bf16 *normed_image;      // the layer's normed input as a GEMV image (in_bytes(H), in_offset): ROUTER
@@ -88,12 +91,10 @@ struct Params {
     float *q;          // [B, Q] rotated queries
     float *part;       // [B, kv_heads, MAX_SPLITS, group, head_dim + 2]: acc, max, sum
     bf16 *attn;        // [B, Q] as o-proj's GEMV input in shared memory (in_bytes(Q), in_offset)
-    float *o;          // [B, H]
     int32_t *slot_expert;  // [slots] expert of each mlp slot, -1 unused
     int32_t *slot_k;       // [slots, B] which of the row's top-k picked this slot, -1 none
     float *slot_w;         // [slots, B] that pick's routing weight (DOWN applies it)
     bf16 *act;             // [slots] DOWN's GEMV input images, in_bytes(max(I, D)) each (op_mlp's act_image)
-    float *mlp;            // [B, top_k, H] expert outputs (dense: k = 0)
     float *lm_best;        // [B, lm_tiles]
     int32_t *lm_best_index;
     // schedule

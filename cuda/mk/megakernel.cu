@@ -165,8 +165,7 @@ void alloc_scratch(nmk_mk &mk, const nmk_mk_geometry &g) {
     const size_t B = NMK_MK_MAX_BATCH, H = g.hidden, Q = (size_t)g.num_heads * g.head_dim;
     const size_t slots = std::min(B * g.top_k, (size_t)g.num_experts);
     const size_t group = g.num_heads / g.num_kv_heads;
-    p.x = device_alloc<float>(B * H, mk.owned);
-    p.ss = device_alloc<float>(B * nmk::mk::kMaxNormTiles, mk.owned);
+    p.resid = device_alloc<float>(3 * B * H, mk.owned);
     p.router_logits = device_alloc<float>(B * g.num_experts, mk.owned);
     p.route_ticket = device_alloc<uint32_t>(1, mk.owned);
     cuda_check(cudaMemset(p.route_ticket, 0, sizeof(uint32_t)), "zero the routing ticket");
@@ -178,14 +177,12 @@ void alloc_scratch(nmk_mk &mk, const nmk_mk_geometry &g) {
     p.part = device_alloc<float>(B * g.num_kv_heads * NMK_MK_MAX_SPLITS * group * (g.head_dim + 2), mk.owned);
     p.attn = device_alloc<bf16>(nmk::mk::in_bytes(static_cast<int>(Q)) / sizeof(bf16), mk.owned);
     cuda_check(cudaMemset(p.attn, 0, nmk::mk::in_bytes(static_cast<int>(Q))), "zero attention output");
-    p.o = device_alloc<float>(B * H, mk.owned);
     p.slot_expert = device_alloc<int32_t>(slots, mk.owned);
     p.slot_k = device_alloc<int32_t>(slots * B, mk.owned);
     p.slot_w = device_alloc<float>(slots * B, mk.owned);
     const size_t act_bytes = slots * nmk::mk::in_bytes(std::max(g.moe_inter, g.dense_inter));
     p.act = device_alloc<bf16>(act_bytes / sizeof(bf16), mk.owned);
     cuda_check(cudaMemset(p.act, 0, act_bytes), "zero activations");
-    p.mlp = device_alloc<float>(B * g.top_k * H, mk.owned);
     p.lm_best = device_alloc<float>(B * (g.vocab / 8 + 1), mk.owned);
     p.lm_best_index = device_alloc<int32_t>(B * (g.vocab / 8 + 1), mk.owned);
 }
@@ -333,6 +330,9 @@ NMK_API nmk_status nmk_mk_step(nmk_mk *mk, const nmk_mk_step_args *a, void *stre
         p.table_cols = static_cast<int>(a->table_cols);
         p.logits = a->logits, p.next_tokens = a->next_tokens;
         auto st = static_cast<cudaStream_t>(stream);
+        // The mlp stages are sums of the DOWN tiles' adds (every other stage is written whole).
+        if (p.debug)
+            cuda_check(cudaMemsetAsync(p.debug, 0, debug_floats(p) * sizeof(float), st), "zero the debug capture");
         void *args[] = {&p};
         const int batch = static_cast<int>(a->batch);
         cuda_check(cudaLaunchKernel(nmk::mk::megakernel_for(batch), dim3(mk->num_sms), dim3(nmk::mk::kThreads), args,

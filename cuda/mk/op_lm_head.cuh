@@ -2,7 +2,7 @@
 // with the tile's best logit per row; NMK_OP_ARGMAX reduces those into the greedy token.
 #pragma once
 
-#include "common.cuh"
+#include "op_norm.cuh"
 
 namespace nmk::mk {
 
@@ -60,6 +60,11 @@ __device__ inline void run_argmax(const Params &p, int b, char *smem) {
         for (int w = 1; w < kWarps; w++)
             if (better(vals[w], idx[w], v, i)) v = vals[w], i = idx[w];
         p.next_tokens[b] = i;
+    }
+    if (p.debug) {  // the residual entering the final norm
+        const float *x = resid_of(p, p.num_layers) + (size_t)b * p.hidden;
+        for (int c = threadIdx.x; c < p.hidden; c += kThreads)
+            debug_at(p, p.num_layers, NMK_MK_DEBUG_X, b)[c] = round_bf16(load_l2(x + c));
     }
 }
 

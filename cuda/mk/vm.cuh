@@ -42,14 +42,14 @@ __device__ __forceinline__ bool own_wait(const nmk_task &t) {
 }
 
 template <int B>
-__device__ void run_task(const Params &p, const nmk_task &t, char *smem) {
+__device__ __forceinline__ void run_task(const Params &p, const nmk_task &t, char *smem) {
     // Tasks other than these overwrite the normed input at offset 0 (the previous task's
     // barrier has passed: no thread still reads the flag).
     if (t.op != NMK_OP_QKV && t.op != NMK_OP_ROUTER && t.op != NMK_OP_GATE_UP && t.op != NMK_OP_LM_HEAD &&
         threadIdx.x == 0)
         kept(smem).normed = -1;
     switch (t.op) {
-        case NMK_OP_NORM: return run_norm<B>(p, t.layer, false, t.x, smem);
+        case NMK_OP_NORM: return run_norm<B>(p, t.x, smem);
         case NMK_OP_QKV: return run_qkv<B>(p, t.layer, t.x, smem);
         case NMK_OP_ROUTER:
             return run_router<B>(p, t.layer, t.x, smem, own_wait<B>(t) ? p.counters + t.wait : nullptr, t.target);
@@ -57,7 +57,6 @@ __device__ void run_task(const Params &p, const nmk_task &t, char *smem) {
         case NMK_OP_OPROJ: return run_oproj<B>(p, t.layer, t.x, smem);
         case NMK_OP_GATE_UP: return run_gate_up<B>(p, t.layer, t.x, t.y, smem);
         case NMK_OP_DOWN: return run_down<B>(p, t.layer, t.x, t.y, smem);
-        case NMK_OP_FINAL_NORM: return run_norm<B>(p, 0, true, t.x, smem);
         case NMK_OP_LM_HEAD: return run_lm_head<B>(p, t.x, smem);
         case NMK_OP_ARGMAX: return run_argmax(p, t.x, smem);
         default: __trap();
@@ -70,6 +69,10 @@ __device__ __forceinline__ uint64_t global_ns() {
     return t;
 }
 
+// The VM's functions are force-inlined: left to itself, the front end outlined one of them once
+// the tasks' code grew (session 33), and a call anywhere in the kernel makes ptxas serialize
+// every wgmma (C7510): batch 1 -7%.
+//
 // Task i of the step's array (t, its descriptor): wait for its input, run, call claim()
 // (the drain claims its next task there), signal, call fetch() (the drain loads the claimed
 // task's descriptor there, beside the signal's fence); with timing on, record when it began
@@ -79,7 +82,8 @@ __device__ __forceinline__ uint64_t global_ns() {
 // added at a layer's tail slow its last tasks. A bulk L2 prefetch of the first burst after the
 // wait, while the task stages its input, lost 2.5% too: the tasks got longer (benchmarks/NOTES.md).
 template <int B, class Claim, class Fetch>
-__device__ void run_one(const Params &p, uint32_t i, const nmk_task &t, char *smem, Claim claim, Fetch fetch) {
+__device__ __forceinline__ void run_one(const Params &p, uint32_t i, const nmk_task &t, char *smem, Claim claim,
+                                        Fetch fetch) {
     const bool timed = p.timing && i < p.timing_capacity;
     uint64_t waited = timed ? global_ns() : 0;
     if (t.wait >= 0 && !own_wait<B>(t)) wait_for(p, t.wait, t.target, smem);
@@ -104,7 +108,7 @@ __device__ void run_one(const Params &p, uint32_t i, const nmk_task &t, char *sm
 // later task of the queue never blocks an earlier one: queue tasks wait only on earlier work.
 constexpr int kClaimer = 32;  // lane 0 of warp 1: not thread 0, which signals
 template <int B>
-__device__ void drain(const Params &p, int q, char *smem) {
+__device__ __forceinline__ void drain(const Params &p, int q, char *smem) {
     const uint32_t first = p.queue_offsets[q], count = p.queue_offsets[q + 1] - first;
     uint32_t *head = p.counters + p.plan.num_counters + 1 + q;
     uint32_t &claimed = kept(smem).claimed;
@@ -134,7 +138,7 @@ __device__ void drain(const Params &p, int q, char *smem) {
 // acquiring polls invalidate L1, so a load after the task would be an L2 round trip before
 // its wait.
 template <int B>
-__device__ void run_list(const Params &p, char *smem) {
+__device__ __forceinline__ void run_list(const Params &p, char *smem) {
     const uint32_t begin = p.sm_offsets[blockIdx.x], end = p.sm_offsets[blockIdx.x + 1];
     nmk_task t = begin < end ? p.tasks[begin] : nmk_task{};
     for (uint32_t i = begin; i < end; i++) {

@@ -93,22 +93,24 @@ int pages_per_split(const Geometry &g, const nmk_plan &p, int num_sms, const std
     return std::max(kMinSplitPages, ceil_div(work, std::max(1, share)));
 }
 
-// Adds layer l's tasks: NORM, ROUTER and QKV tiles to the lists, then DRAIN of the layer's
-// queue, which gets its GATE_UP, ATTN, DOWN and OPROJ tasks. The ROUTER tiles come right after
-// the NORM tiles, on the next SMs in turn (at North's geometry, SMs with no NORM tile of the
-// layer): up to two rows they issue their weight burst before they wait (vm.cuh's own_wait),
-// so it lands while NORM runs (the routing ~0.6 us sooner, batch 1 +1.3%; benchmarks/NOTES.md,
-// session 31). Every wait of a queue task is on
-// list tasks before the DRAIN or on earlier tasks of the queue. Returns the counter that says
-// the layer's residual inputs are done.
+// Adds layer l's tasks: NORM (layer 0 only), ROUTER and QKV tiles to the lists, then DRAIN of
+// the layer's queue, which gets its GATE_UP, ATTN, DOWN and OPROJ tasks. The ROUTER tiles come
+// first in the layer's turn of the lists: up to two rows they issue their weight burst before
+// they wait (vm.cuh's own_wait), so it lands while the previous layer's last tasks run (the
+// routing ~0.6 us sooner, batch 1 +1.3%; benchmarks/NOTES.md, session 31). Every wait of a
+// queue task is on list tasks before the DRAIN or on earlier tasks of the queue. Returns the
+// counter that says the layer's outputs are all added into the next layer's input.
 int add_layer(Builder &b, int l, int prev_done, const std::vector<int> &lens, int num_sms) {
     const Geometry &g = b.g;
     const nmk_plan &p = b.s.plan;
-    int normed = b.counter(), qkv = b.counter(), attn = b.counter();
+    // Layer 0's input is the embedding (its NORM tiles); a later layer's is the previous one's
+    // sums, complete once its o-proj and DOWN tiles are done (Params::resid).
+    int normed = l == 0 ? b.counter() : prev_done, qkv = b.counter(), attn = b.counter();
     int routed = g.dense[l] ? normed : b.counter();
     int done = b.counter();
 
-    for (int x = 0; x < p.norm_tiles; x++) b.add(NMK_OP_NORM, l, x, 0, 0, prev_done, normed);
+    if (l == 0)
+        for (int x = 0; x < p.norm_tiles; x++) b.add(NMK_OP_NORM, l, x, 0, 0, -1, normed);
     if (!g.dense[l])
         for (int x = 0; x < p.router_tiles; x++) b.add(NMK_OP_ROUTER, l, x, 0, 0, normed, routed);
     for (int x = 0; x < qkv_tiles(g, p); x++) b.add(NMK_OP_QKV, l, x, 0, 0, normed, qkv);
@@ -260,9 +262,8 @@ Schedule build(const Geometry &g, int num_sms, const std::vector<int> &context_l
     b.s.plan = make_plan(g, num_sms, context_lens);
     int done = -1;
     for (int l = 0; l < g.num_layers; l++) done = add_layer(b, l, done, context_lens, num_sms);
-    int normed = b.counter(), logits = b.counter();
-    for (int x = 0; x < b.s.plan.norm_tiles; x++) b.add(NMK_OP_FINAL_NORM, 0, x, 0, 0, done, normed);
-    for (int x = 0; x < b.s.plan.lm_tiles; x++) b.add(NMK_OP_LM_HEAD, 0, x, 0, 0, normed, logits);
+    int logits = b.counter();
+    for (int x = 0; x < b.s.plan.lm_tiles; x++) b.add(NMK_OP_LM_HEAD, 0, x, 0, 0, done, logits);
     for (int r = 0; r < batch; r++) b.add(NMK_OP_ARGMAX, 0, r, 0, 0, logits, -1);
 
     int max_splits = 1;

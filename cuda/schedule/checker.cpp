@@ -11,27 +11,28 @@
 namespace nmk::schedule {
 namespace {
 
-// Buffers of the step that stages share; each stage's reads and writes. SS: the NORM
-// tiles' partial sums of squares, from which the readers of the normed input normalize x;
-// NIMG: the normed input's image that ROUTER tiles write for the sparse GATE_UP tasks; ROUTE:
-// the routing that the last ROUTER tile publishes.
-enum Buffer : unsigned { X = 1, SS = 2, Q = 4, PART = 8, ATTN = 16, O = 32, RLOGITS = 64, ROUTE = 128, ACT = 256,
-                         MLP = 512, LOGITS = 1024, TOKENS = 2048, NIMG = 4096 };
+// Buffers of the step that stages share; each stage's reads, writes and adds. RES0..2: the
+// residual sums, layer l's input in RES(l % 3), which layer l's o-proj and DOWN tiles add into
+// for layer l + 1 (adds commute: two stages adding into one buffer need no order between them)
+// and whose o-proj tiles zero for layer l + 2; NIMG: the normed input's image that ROUTER tiles
+// write for the sparse GATE_UP tasks; ROUTE: the routing that the last ROUTER tile publishes.
+enum Buffer : unsigned { RES0 = 1, RES1 = 2, RES2 = 4, Q = 8, PART = 16, ATTN = 32, RLOGITS = 64, ROUTE = 128,
+                         ACT = 256, LOGITS = 1024, TOKENS = 2048, NIMG = 4096 };
+unsigned res(int l) { return RES0 << (l % 3); }
 struct Access {
-    unsigned reads, writes;
+    unsigned reads, writes, adds = 0;
 };
-Access access_of(uint8_t op, bool dense) {
+Access access_of(const Geometry &g, uint8_t op, int l) {
     switch (op) {
-        case NMK_OP_NORM: return {X | O | MLP | ROUTE, X | SS};
-        case NMK_OP_QKV: return {X | SS, Q};
-        case NMK_OP_ROUTER: return {X | SS, RLOGITS | NIMG | ROUTE};
+        case NMK_OP_NORM: return {0, res(0) | res(1)};
+        case NMK_OP_QKV: return {res(l), Q};
+        case NMK_OP_ROUTER: return {res(l), RLOGITS | NIMG | ROUTE};
         case NMK_OP_ATTN: return {Q, PART | ATTN};
-        case NMK_OP_OPROJ: return {ATTN, O};
-        case NMK_OP_GATE_UP: return dense ? Access{X | SS, ACT} : Access{X | SS | NIMG | ROUTE, ACT};
-        case NMK_OP_DOWN: return {ACT | ROUTE, MLP};
-        case NMK_OP_FINAL_NORM: return {X | O | MLP | ROUTE, X | SS};
-        case NMK_OP_LM_HEAD: return {X | SS, LOGITS};
-        case NMK_OP_ARGMAX: return {LOGITS, TOKENS};
+        case NMK_OP_OPROJ: return {ATTN | res(l), res(l + 2), res(l + 1)};
+        case NMK_OP_GATE_UP: return g.dense[l] ? Access{res(l), ACT} : Access{res(l) | NIMG | ROUTE, ACT};
+        case NMK_OP_DOWN: return {ACT | ROUTE, 0, res(l + 1)};
+        case NMK_OP_LM_HEAD: return {res(g.num_layers), LOGITS};
+        case NMK_OP_ARGMAX: return {LOGITS | res(g.num_layers), TOKENS};  // the debug capture's x
         default: return {0, 0};
     }
 }
@@ -85,18 +86,23 @@ struct Expected {
 Expected expected_tasks(const Geometry &g, const nmk_plan &p, const std::map<Key, int> &attn_splits) {
     Expected e;
     auto need = [&](int op, int l, std::vector<Stage> from) { e.producers[{op, l}] = std::move(from); };
+    // The stages whose outputs make layer l's input: the embedding (layer 0's NORM), or every
+    // o-proj and DOWN tile of layer l - 1.
+    auto input_of = [](int l) {
+        if (l == 0) return std::vector<Stage>{{NMK_OP_NORM, 0}};
+        return std::vector<Stage>{{NMK_OP_OPROJ, l - 1}, {NMK_OP_DOWN, l - 1}};
+    };
+    need(NMK_OP_NORM, 0, {});
+    for (int x = 0; x < p.norm_tiles; x++) e.tasks.insert({NMK_OP_NORM, 0, x, 0, 0});
     for (int l = 0; l < g.num_layers; l++) {
-        Stage prev_o{NMK_OP_OPROJ, l - 1}, prev_down{NMK_OP_DOWN, l - 1};
-        need(NMK_OP_NORM, l, l ? std::vector<Stage>{prev_o, prev_down} : std::vector<Stage>{});
-        need(NMK_OP_QKV, l, {{NMK_OP_NORM, l}});
+        need(NMK_OP_QKV, l, input_of(l));
         need(NMK_OP_ATTN, l, {{NMK_OP_QKV, l}});
         need(NMK_OP_OPROJ, l, {{NMK_OP_ATTN, l}});  // after every split, so after every merge
-        need(NMK_OP_GATE_UP, l, {{g.dense[l] ? NMK_OP_NORM : NMK_OP_ROUTER, l}});
+        need(NMK_OP_GATE_UP, l, g.dense[l] ? input_of(l) : std::vector<Stage>{{NMK_OP_ROUTER, l}});
         need(NMK_OP_DOWN, l, {{NMK_OP_GATE_UP, l}});
-        for (int x = 0; x < p.norm_tiles; x++) e.tasks.insert({NMK_OP_NORM, l, x, 0, 0});
         for (int x = 0; x < qkv_tiles(g, p); x++) e.tasks.insert({NMK_OP_QKV, l, x, 0, 0});
         if (!g.dense[l]) {
-            need(NMK_OP_ROUTER, l, {{NMK_OP_NORM, l}});
+            need(NMK_OP_ROUTER, l, input_of(l));
             for (int x = 0; x < p.router_tiles; x++) e.tasks.insert({NMK_OP_ROUTER, l, x, 0, 0});
         }
         for (int y = 0; y < mlp_slots(g, p, l); y++) {
@@ -112,11 +118,8 @@ Expected expected_tasks(const Geometry &g, const nmk_plan &p, const std::map<Key
             }
         for (int x = 0; x < oproj_tiles(g, p); x++) e.tasks.insert({NMK_OP_OPROJ, l, x, 0, 0});
     }
-    int last = g.num_layers - 1;
-    need(NMK_OP_FINAL_NORM, 0, {{NMK_OP_OPROJ, last}, {NMK_OP_DOWN, last}});
-    need(NMK_OP_LM_HEAD, 0, {{NMK_OP_FINAL_NORM, 0}});
+    need(NMK_OP_LM_HEAD, 0, input_of(g.num_layers));
     need(NMK_OP_ARGMAX, 0, {{NMK_OP_LM_HEAD, 0}});
-    for (int x = 0; x < p.norm_tiles; x++) e.tasks.insert({NMK_OP_FINAL_NORM, 0, x, 0, 0});
     for (int x = 0; x < p.lm_tiles; x++) e.tasks.insert({NMK_OP_LM_HEAD, 0, x, 0, 0});
     for (int r = 0; r < p.batch; r++) e.tasks.insert({NMK_OP_ARGMAX, 0, r, 0, 0});
     return e;
@@ -126,6 +129,8 @@ void check_task_fields(const nmk_plan &p, const Entry &e) {
     const nmk_task &t = *e.t;
     if (t.op == NMK_OP_COMBINE)
         fail("retired opcode COMBINE (ATTN merges its splits since v0.3) in " + describe(e));
+    if (t.op == NMK_OP_FINAL_NORM)
+        fail("retired opcode FINAL_NORM (the LM head normalizes the last layer's sums since v0.5) in " + describe(e));
     if (t.op < NMK_OP_NORM || t.op >= NMK_OP_END) fail("unknown opcode in " + describe(e));
     if (t.op == NMK_OP_DRAIN) {
         if (e.queued) fail("DRAIN inside a queue (queues hold ordinary tasks only): " + describe(e));
@@ -243,8 +248,9 @@ void check_hazards(const Geometry &g, const std::map<Stage, std::set<Stage>> &ed
     for (const Stage &a : stages)
         for (const Stage &b : stages) {
             if (!(a < b)) continue;
-            Access x = access_of(a.first, g.dense[a.second]), y = access_of(b.first, g.dense[b.second]);
-            bool conflict = (x.writes & (y.reads | y.writes)) || (y.writes & x.reads);
+            Access x = access_of(g, a.first, a.second), y = access_of(g, b.first, b.second);
+            bool conflict = (x.writes & (y.reads | y.writes | y.adds)) || (y.writes & (x.reads | x.adds)) ||
+                            (x.adds & y.reads) || (y.adds & x.reads);
             if (conflict && !reach[a].count(b) && !reach[b].count(a)) {
                 std::ostringstream s;
                 s << "unordered stages share a buffer: op " << a.first << " layer " << a.second << " and op "

@@ -1,15 +1,16 @@
 // Task schedule of one decode step: per-SM task lists, device work queues and dependency
 // counters.
 //
-// build() lays the forward pass out as stages (norm, qkv, router, gate_up, attention, down,
-// o-proj per layer; then final norm, lm_head, argmax) and splits each stage into tiles. Per
-// layer l the lists get the NORM, ROUTER and QKV tiles dealt round-robin, then DRAIN(l) on
-// every SM; queue l holds the layer's GATE_UP (slot-major; the ATTN tasks (row, kv head,
-// split) after its first num_sms - splits), DOWN (slot-major) and OPROJ tasks, which the SMs
-// drain by work stealing. FINAL_NORM, LM_HEAD
-// and ARGMAX are dealt to the lists after the last layer. Each stage waits on the counter
-// of the stage it reads. check() proves a schedule safe to run. Semantics: v0.4 tasks, ABI
-// v3 queues (northmk.h).
+// build() lays the forward pass out as stages (norm at layer 0; qkv, router, gate_up,
+// attention, down, o-proj per layer; then lm_head, argmax) and splits each stage into tiles.
+// Per layer l the lists get the NORM (l = 0), ROUTER and QKV tiles dealt round-robin, then
+// DRAIN(l) on every SM; queue l holds the layer's GATE_UP (slot-major; the ATTN tasks (row, kv
+// head, split) after its first num_sms - splits), DOWN (slot-major) and OPROJ tasks, which the
+// SMs drain by work stealing. LM_HEAD and ARGMAX are dealt to the lists after the last layer.
+// Each stage waits on the counter of the stages it reads: a layer's readers of its input on
+// the previous layer's o-proj and DOWN tiles, which add into it. check() proves a schedule
+// safe to run. Semantics: v0.5 tasks, ABI v3 queues (northmk.h).
+
 #pragma once
 
 #include <cstdint>

@@ -70,8 +70,8 @@ def test_each_layer_is_list_tiles_then_one_drain_per_sm_of_its_queue():
             assert set(before["layer"][before["op"] != Opcode.DRAIN]) <= set(range(layer + 1))
             assert not ((after["layer"] <= layer) & np.isin(after["op"], [Opcode.NORM, Opcode.QKV, Opcode.ROUTER])).any()
     listed = np.concatenate([s.tasks_of(sm) for sm in range(s.num_sms)])
-    assert set(np.unique(listed["op"])) == {Opcode.NORM, Opcode.QKV, Opcode.ROUTER, Opcode.DRAIN, Opcode.FINAL_NORM,
-                                           Opcode.LM_HEAD, Opcode.ARGMAX}
+    assert set(np.unique(listed["op"])) == {Opcode.NORM, Opcode.QKV, Opcode.ROUTER, Opcode.DRAIN, Opcode.LM_HEAD,
+                                           Opcode.ARGMAX}
 
 
 def test_queue_l_holds_gate_up_attention_down_and_oproj_in_order():
@@ -109,7 +109,8 @@ def test_every_stage_has_the_tiles_the_geometry_needs():
     p = s.plan
     assert p["norm_cols"] == 32 and p["norm_tiles"] == 2048 // 32
     assert p["router_rows"] == 16 and p["router_tiles"] == 128 // 16
-    assert n[Opcode.NORM] == 49 * p["norm_tiles"] and n[Opcode.FINAL_NORM] == p["norm_tiles"]
+    # NORM tiles only write layer 0's input; later layers' inputs are sums their predecessors add into
+    assert n[Opcode.NORM] == p["norm_tiles"] and Opcode.FINAL_NORM not in n
     assert n[Opcode.ROUTER] == 48 * p["router_tiles"]  # layer 0 is dense
     assert n[Opcode.QKV] == 49 * -(-(4096 + 2 * 512) // p["qkv_rows"])
     assert n[Opcode.OPROJ] == 49 * -(-2048 // p["oproj_rows"])
@@ -118,9 +119,10 @@ def test_every_stage_has_the_tiles_the_geometry_needs():
     assert n[Opcode.LM_HEAD] == p["lm_tiles"] == -(-262144 // p["lm_rows"])
     moe_gate_up = 48 * p["expert_slots"] * -(-768 // p["moe_cols"])
     assert n[Opcode.GATE_UP] == moe_gate_up + -(-3072 // p["dense_cols"])
-    for layer in (0, 7):  # each NORM / ROUTER tile once per layer
+    for layer in (0, 7):  # each NORM tile once (layer 0), each ROUTER tile once per sparse layer
         of_layer = s.tasks[s.tasks["layer"] == layer]
-        assert sorted(of_layer["x"][of_layer["op"] == Opcode.NORM]) == list(range(p["norm_tiles"]))
+        norms = sorted(of_layer["x"][of_layer["op"] == Opcode.NORM])
+        assert norms == (list(range(p["norm_tiles"])) if layer == 0 else [])
         assert sorted(of_layer["x"][of_layer["op"] == Opcode.ROUTER]) == ([] if layer == 0 else list(range(8)))
 
 
@@ -259,16 +261,17 @@ def _mutated(s: Schedule, mutate) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         # ---- queues ----
         ("a queue task waits on a list task after its DRAIN", lambda t, o, q: _router_after_drain(t, o, q, 3, 1),
          r"may deadlock: queue 1 #\d+ task\(op=7 .*which SM 3 #\d+ task\(op=3 .* signals after DRAIN\(1\) in its list"),
-        ("a list task before the DRAIN of a queue it waits on", lambda t, o, q: _norm_before_drain(t, o, q, 2, 1),
-         r"may deadlock: SM 2 #\d+ task\(op=1 layer=2 .*which queue 1 #\d+ .* yet it comes before DRAIN\(1\)"),
+        ("a list task before the DRAIN of a queue it waits on", lambda t, o, q: _qkv_before_drain(t, o, q, 2, 1),
+         r"may deadlock: SM 2 #\d+ task\(op=2 layer=2 .*which queue 1 #\d+ .* yet it comes before DRAIN\(1\)"),
         ("a queue task waits on a later one of its queue", lambda t, o, q: _oproj_first(t, o, q, 2),
          r"may deadlock: queue 2 #0 task\(op=6 .*which queue 2 #\d+ task\(op=4 .* not earlier in the queue"),
         ("a queue task waits on a queue drained later", lambda t, o, q: _attention_to_next_queue(t, o, q, 1),
          r"may deadlock: queue 1 #\d+ task\(op=6 .*which queue 2 #\d+ task\(op=4 .* but DRAIN\(2\) comes after "
          r"DRAIN\(1\) in SM 0's list"),
-        ("a norm tile after its layer's DRAIN", lambda t, o, q: _norm_after_drain(t, o, q, 4, 1),
-         r"deadlock possible under some claim order: a cycle of must-finish-before: .*SM 4 #\d+ task\(op=12 layer=1 "
-         r"x=1 .* -> SM 4 #\d+ task\(op=1 layer=1 "),
+        ("a qkv tile after its layer's DRAIN", lambda t, o, q: _qkv_after_drain(t, o, q, 4, 1),
+         r"may deadlock: queue 1 #\d+ task\(op=4 .*which SM 4 #\d+ task\(op=2 layer=1 .* signals after DRAIN\(1\)"),
+        ("retired FINAL_NORM", lambda t, o, q: (_set(t, int(np.flatnonzero(t["op"] == Opcode.NORM)[0]), "op",
+                                                     Opcode.FINAL_NORM), o, q), "retired opcode FINAL_NORM"),
         ("a cycle within a list", lambda t, o, q: _qkv_before_norm(t, o, q, 0),
          r"deadlock possible under some claim order: a cycle of must-finish-before: SM 0 #"),
         ("a missing DRAIN", lambda t, o, q: _remove(t, o, q, _drain_index(t, o, 3, 2)),
@@ -301,21 +304,26 @@ def test_checker_rejects_broken_schedules(name, mutate, message):
 
 
 def test_a_cycle_through_a_queue_is_found_and_reported():
-    """An SM whose only tile of layer 1 is a NORM tile moves it after DRAIN(1): the layer's QKV
-    and ROUTER tiles wait for it, queue 1 waits for them, and that SM leaves DRAIN(1) only
-    once queue 1 is done. No named rule sees it; the cycle goes through the whole queue."""
-    s = Schedule(SMALL, 132, [200, 3])
-    check(SMALL, s)
-    lone = [sm for sm in range(s.num_sms)
-            if set(map(int, s.tasks_of(sm)[s.tasks_of(sm)["layer"] == 1]["op"])) == {Opcode.NORM, Opcode.DRAIN}]
+    """With a sparse layer 0, only list tasks (its QKV and ROUTER tiles) wait for its NORM
+    tiles. An SM whose only tiles of layer 0 are NORM tiles moves one after DRAIN(0): the
+    QKV and ROUTER tiles wait for it, queue 0 waits for them, and that SM leaves DRAIN(0) only
+    once queue 0 is done. No named rule sees it; the cycle goes through the whole queue."""
+    config = north(num_layers=3, first_k_dense_replace=0)
+    s = Schedule(config, 132, [200, 3])
+    check(config, s)
+    def before_drain(sm: int) -> set[int]:
+        ops = s.tasks_of(sm)["op"].tolist()
+        return set(ops[:ops.index(Opcode.DRAIN)])
+
+    lone = [sm for sm in range(s.num_sms) if before_drain(sm) == {Opcode.NORM}]
     assert lone
-    tasks, offsets, queue_offsets = _mutated(s, lambda t, o, q: _norm_after_drain(t, o, q, lone[0], 1))
+    tasks, offsets, queue_offsets = _mutated(s, lambda t, o, q: _norm_after_drain(t, o, q, lone[0], 0))
     with pytest.raises(NativeError) as error:
-        check_schedule(SMALL, s.plan, tasks, offsets, queue_offsets)
+        check_schedule(config, s.plan, tasks, offsets, queue_offsets)
     message = str(error.value)
     assert "deadlock possible under some claim order: a cycle of must-finish-before: " in message
-    assert f"SM {lone[0]} #2 task(op=12 layer=1 x=1 " in message and f"SM {lone[0]} #3 task(op=1 layer=1 " in message
-    assert "queue 1 #" in message and "may deadlock" not in message
+    assert f"SM {lone[0]} #0 task(op=12 layer=0 x=0 " in message and f"SM {lone[0]} #1 task(op=1 layer=0 " in message
+    assert "queue 0 #" in message and "may deadlock" not in message
 
 
 def test_queue_offsets_that_do_not_describe_the_array_are_refused():
@@ -342,10 +350,10 @@ def _rewire(s: Schedule, op: Opcode, layer: int, to: Opcode) -> np.ndarray:
 
 
 @pytest.mark.parametrize("op, layer, to", [
-    (Opcode.ATTN, 1, Opcode.NORM),      # attention before q exists
+    (Opcode.ATTN, 1, Opcode.ROUTER),    # attention before q exists
     (Opcode.OPROJ, 1, Opcode.QKV),      # o-proj before the merged attention output
-    (Opcode.GATE_UP, 2, Opcode.NORM),   # experts before the router logits
-    (Opcode.LM_HEAD, 0, Opcode.OPROJ),    # logits before the final norm
+    (Opcode.GATE_UP, 2, Opcode.QKV),    # experts before the router logits
+    (Opcode.LM_HEAD, 0, Opcode.OPROJ),  # logits from layer 0's outputs, not the last layer's
 ])
 def test_checker_rejects_a_wait_on_the_wrong_stage(op, layer, to):
     s = Schedule(SMALL, 8, [64, 300])
@@ -357,9 +365,9 @@ def test_checker_rejects_a_wait_on_the_wrong_stage(op, layer, to):
 def test_checker_rejects_a_wait_on_part_of_the_norm_tiles():
     s = Schedule(SMALL, 8, [64])
     tasks = s.tasks.copy()
-    norm = np.flatnonzero((tasks["op"] == Opcode.NORM) & (tasks["layer"] == 1))[0]
+    norm = np.flatnonzero((tasks["op"] == Opcode.NORM) & (tasks["layer"] == 0))[0]
     normed = tasks["signal"][norm]
-    tasks["signal"][norm] = -1  # one NORM tile's sum of squares goes unwaited for
+    tasks["signal"][norm] = -1  # one NORM tile's columns of the embedding go unwaited for
     tasks["target"][tasks["wait"] == normed] -= 1
     with pytest.raises(NativeError, match="does not wait for all of a stage it reads"):
         check_schedule(SMALL, s.plan, tasks, s.sm_offsets, s.queue_offsets)
@@ -489,8 +497,12 @@ def _norm_after_drain(t, o, q, sm, layer):
     return _move_in_list(t, o, q, sm, Opcode.NORM, layer, Opcode.DRAIN, layer, after=True)
 
 
-def _norm_before_drain(t, o, q, sm, layer):
-    return _move_in_list(t, o, q, sm, Opcode.NORM, layer + 1, Opcode.DRAIN, layer)
+def _qkv_after_drain(t, o, q, sm, layer):
+    return _move_in_list(t, o, q, sm, Opcode.QKV, layer, Opcode.DRAIN, layer, after=True)
+
+
+def _qkv_before_drain(t, o, q, sm, layer):
+    return _move_in_list(t, o, q, sm, Opcode.QKV, layer + 1, Opcode.DRAIN, layer)
 
 
 def _qkv_before_norm(t, o, q, sm):
