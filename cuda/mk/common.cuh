@@ -221,8 +221,9 @@ constexpr int kMaxGemvItems = 32;  // (16-row tile, k part) work items of one GE
 
 struct Kept {
     int normed;  // whose normed input sits at offset 0: a layer, num_layers for the final norm, -1 none
-    // The staged input's sums of squares, per warp and row; NormedStaging's warps arrive on ss_ready
-    // (kWarps arrivals, one phase per staged GEMV) once theirs are written.
+    // The staged input's sums of squares, per warp and row; NormedStaging's threads arrive on
+    // ss_ready (kThreads arrivals, one phase per staged GEMV) once their warp's are written (each
+    // writer's own arrival releases its store).
     float ss_part[kWarps][NMK_MK_MAX_BATCH];
     uint64_t ss_ready;
     uint32_t claimed;             // the drain's claimed task (vm.cuh): its index and descriptor
@@ -255,7 +256,7 @@ __device__ __forceinline__ void kept_init(char *smem) {
     mbar_init(&k.image_full, 1);
     mbar_init(&k.image_empty, kThreads);
     mbar_init(&k.staged, kThreads);
-    mbar_init(&k.ss_ready, kWarps);
+    mbar_init(&k.ss_ready, kThreads);
     mbar_init_fence();
     k.image_uses = 0;
     k.staged_uses = 0;
@@ -481,8 +482,7 @@ struct NormedStaging {
         float ss[B], rms[B];
         chunk_squares<B>(*p, tag, xa, xb, ss);
         warp_squares<B>(smem, ss);
-        __syncwarp();
-        if ((threadIdx.x & 31) == 0) mbar_arrive(&k.ss_ready);
+        mbar_arrive(&k.ss_ready);
         mbar_wait(&k.ss_ready, parity);
         rms_of<B>(smem, *p, rms);
         store_normed_chunks<B>(smem, *p, tag, weight, xa, xb, w, rms);
