@@ -144,29 +144,17 @@ def test_norm_and_router_tasks_are_the_planned_tiles(small):
     assert Opcode.FINAL_NORM not in s.tasks["op"], "retired in v0.5: the LM head normalizes the last layer's sums"
 
 
-def test_a_combine_task_is_rejected(small):
+@pytest.mark.parametrize("retired, replaced", [(Opcode.COMBINE, Opcode.ATTN), (Opcode.FINAL_NORM, Opcode.NORM)])
+def test_a_retired_opcode_is_rejected(small, retired, replaced):
     config, weights = small
     s = Schedule(config, 7, CONTEXTS)
     tasks = s.tasks.copy()
-    tasks["op"][np.flatnonzero(tasks["op"] == Opcode.ATTN)[0]] = Opcode.COMBINE
-    with pytest.raises(NativeError, match="retired opcode COMBINE"):
+    tasks["op"][np.flatnonzero(tasks["op"] == replaced)[0]] = retired
+    with pytest.raises(NativeError, match=f"retired opcode {retired.name}"):
         check_schedule(config, s.plan, tasks, s.sm_offsets, s.queue_offsets)
     s.tasks = tasks
     kv, tables = cache(config, CONTEXTS)
-    with pytest.raises(ValueError, match="COMBINE is retired"):
-        run_schedule(config, weights, s, TOKENS, [c - 1 for c in CONTEXTS], tables, kv)
-
-
-def test_a_final_norm_task_is_rejected(small):
-    config, weights = small
-    s = Schedule(config, 7, CONTEXTS)
-    tasks = s.tasks.copy()
-    tasks["op"][np.flatnonzero(tasks["op"] == Opcode.NORM)[0]] = Opcode.FINAL_NORM
-    with pytest.raises(NativeError, match="retired opcode FINAL_NORM"):
-        check_schedule(config, s.plan, tasks, s.sm_offsets, s.queue_offsets)
-    s.tasks = tasks
-    kv, tables = cache(config, CONTEXTS)
-    with pytest.raises(ValueError, match="FINAL_NORM is retired"):
+    with pytest.raises(ValueError, match=f"{retired.name} is retired"):
         run_schedule(config, weights, s, TOKENS, [c - 1 for c in CONTEXTS], tables, kv)
 
 
