@@ -239,9 +239,8 @@ def summarize_tasks(t: torch.Tensor) -> dict:
     time (us), per opcode the mean over layers of its last task's end after the layer's first
     task (a NORM, QKV or ROUTER tile) began (chain_us) and of its tasks' first start, median
     start, median end and last end on the same clock (timeline_us), and the summed run time of
-    each SM's tasks: its mean,
-    min and max over the SMs that ran a task (sm_busy_us; records without the sm field count
-    as SM 0's). DRAIN records, should a kernel write them, count only as opcode DRAIN."""
+    each SM's tasks: its mean, min and max over the SMs that ran a task (sm_busy_us; records
+    without the sm field count as SM 0's). DRAIN records, should a kernel write them, count only as opcode DRAIN."""
     op_of, layer_of, sm_of = t[:, 3] & 0xFF, (t[:, 3] >> 8) & 0xFF, (t[:, 3] >> 16) & 0xFFFF
     ops = {}
     for op in Opcode:

@@ -311,6 +311,7 @@ def test_a_cycle_through_a_queue_is_found_and_reported():
     config = north(num_layers=3, first_k_dense_replace=0)
     s = Schedule(config, 132, [200, 3])
     check(config, s)
+
     def before_drain(sm: int) -> set[int]:
         ops = s.tasks_of(sm)["op"].tolist()
         return set(ops[:ops.index(Opcode.DRAIN)])
