@@ -130,8 +130,8 @@ def test_a_scheduled_step_chains_from_its_first_task_to_its_last():
 
 
 def test_a_router_that_waits_inside_its_run_is_read_from_its_counters_completion():
-    # Up to two rows a ROUTER task is stamped as started before its wait for NORM (vm.cuh's
-    # own_wait): the tools that have the schedule read its run from the counter's completion.
+    # Up to two rows a ROUTER task is stamped as started before its wait for its layer's input
+    # (vm.cuh's own_wait): the tools that have the schedule read its run from the counter's completion.
     for rows, inside in (([128, 128], True), ([128, 128, 128], False)):
         schedule = Schedule(bench.geometry("mk-small"), 4, rows)
         times = timed_step(schedule)

@@ -18,7 +18,6 @@ constexpr int kMaxGroup = 8;         // query heads per kv head
 constexpr int kMaxTopK = 8;
 constexpr int kPage = 64;           // tokens per KV page (config.PAGE_SIZE)
 constexpr int kMaxK = 4096;         // widest GEMV input (q width, intermediate sizes)
-constexpr int kMaxNormTiles = 128;  // hidden / norm_cols
 constexpr int kMaxLayers = 128;     // the layer table travels in the kernel's parameters (Params::layers)
 // Attention's KV pages in flight per SM (op_attention.cuh), by the kernel's batch size: 4 from
 // batch 2 on, where attention's splits are longer (batch 8 +0.9% in session 30, batch 2 +0.3%

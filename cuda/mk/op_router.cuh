@@ -25,8 +25,7 @@ struct Routing {
 static_assert(kTaskSmemBytes + sizeof(Kept) + sizeof(Routing) <= kSmemBytes, "the routing must fit past Kept");
 
 // The routing of `layer` from router_logits (every tile's, acquired by the caller's ticket),
-// computed in shared memory past Kept and published for the layer's GATE_UP and DOWN tasks
-// and the next NORM.
+// computed in shared memory past Kept and published for the layer's GATE_UP and DOWN tasks.
 template <int B>
 __device__ void route(const Params &p, int layer, char *smem) {
     Routing &r = *reinterpret_cast<Routing *>(smem + kTaskSmemBytes + sizeof(Kept));
