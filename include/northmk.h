@@ -33,7 +33,7 @@ extern "C" {
 
 /* Bumped on every incompatible change of a declaration below; nmk_abi_version() returns the
  * library's value and bindings refuse a library whose value differs from theirs. */
-#define NMK_ABI_VERSION 8
+#define NMK_ABI_VERSION 9
 
 /* ==== status, errors, versions ==== */
 
@@ -401,20 +401,30 @@ NMK_API nmk_status nmk_sample(const float *logits, uint32_t rows, uint32_t vocab
  * (counters[num_counters + 1 + q]) live together in device memory; the last CTA of every
  * step zeroes them all. */
 
-enum { NMK_MK_MAX_BATCH = 8, NMK_MK_MAX_SPLITS = 64 };
+enum { NMK_MK_MAX_BATCH = 8, NMK_MK_MAX_SPLITS = 64, NMK_MK_BLOCK_COLS = 256, NMK_MK_POST_SCALED_MAX_BATCH = 2 };
 
-/* Append-only; 0 is never valid so zeroed memory fails loudly. Semantics of v0.5: the
+/* Append-only; 0 is never valid so zeroed memory fails loudly. Semantics of v0.6: the
  * residual entering layer l is a sum x_l in fp32 that layer l - 1's OPROJ and DOWN tasks add
- * their outputs into (layer 0's: the embedding, which the NORM tiles write); every task that
- * reads the normed input h but a sparse GATE_UP computes it from x_l itself: x = bf16(x_l),
- * rms_b = rsqrt(sum_i x[b, i]^2 / hidden + eps), h[b, i] = bf16(round_bf16(x[b, i] * rms_b) *
- * norm_weight[i]); the ROUTER tiles write h for the layer's sparse GATE_UP tasks. (v0.4: NORM
- * tiles closed every layer's residual and FINAL_NORM the last one's.) */
+ * their outputs into (layer 0's: the embedding, which the NORM tiles write). Its columns are
+ * blocks of NMK_MK_BLOCK_COLS (hidden is a multiple of it), each with its own counter: a task
+ * that writes x_l (NORM, OPROJ, DOWN) writes columns of one block only and signals that
+ * block's counter. The readers of x_l (QKV, ROUTER, a dense layer's GATE_UP; LM_HEAD of x_L)
+ * wait on the hidden / NMK_MK_BLOCK_COLS counters wait, wait + 1, ... (block b's at wait + b),
+ * each until it reaches target; up to NMK_MK_POST_SCALED_MAX_BATCH rows QKV and ROUTER may
+ * start on each block once its own counter does. Every task that reads the normed input h but
+ * a sparse GATE_UP computes it from x_l itself: x = bf16(x_l), rms_b = rsqrt(sum_i x[b, i]^2 /
+ * hidden + eps), h[b, i] = bf16(round_bf16(x[b, i] * rms_b) * norm_weight[i]); up to
+ * NMK_MK_POST_SCALED_MAX_BATCH rows QKV and ROUTER scale after their GEMV instead: output
+ * bf16(rms_b * sum_i g[b, i] w[i]) with g[b, i] = bf16(x[b, i] * norm_weight[i]). The ROUTER
+ * tiles write h (as above, both ways) for the layer's sparse GATE_UP tasks. (v0.5: one counter
+ * for all of x_l, no post-scaling; v0.4: NORM tiles closed every layer's residual and
+ * FINAL_NORM the last one's.) */
 typedef enum nmk_opcode {
     NMK_OP_NORM = 1,       /* layer 0 only, tile x: hidden cols [x*norm_cols, ...) of every row's
                             * embedding into x_0; zeroes the same columns of x_1 */
     NMK_OP_QKV = 2,        /* rows [x*qkv_rows, ...) of qkv @ h; RoPE; k, v into the paged cache */
-    NMK_OP_ROUTER = 3,     /* tile x: router_logits[b, e] = bf16(h_b . router[e]), e in
+    NMK_OP_ROUTER = 3,     /* tile x: router_logits[b, e] = bf16(h_b . router[e]) (post-scaled up
+                            * to NMK_MK_POST_SCALED_MAX_BATCH rows, above), e in
                             * [x*router_rows, ...); h's 32-wide column blocks [x*blocks/tiles,
                             * ...). The last tile to finish routes the layer: row b's top_k
                             * logits (ties: lower id), ascending id, weight bf16(sigmoid(logit));
@@ -445,8 +455,9 @@ typedef struct nmk_task {
     uint8_t op;            /* nmk_opcode */
     uint8_t layer;
     uint16_t x, y, z;      /* meaning per opcode, above */
-    int32_t wait;          /* counter to wait on, -1: none */
-    uint32_t target;       /* run once counters[wait] >= target */
+    int32_t wait;          /* counter to wait on, -1: none; the first of the input's block
+                            * counters for a reader of x_l (above) */
+    uint32_t target;       /* run once counters[wait] (each of the block counters) >= target */
     int32_t signal;        /* counter to bump when done, -1: none */
 } nmk_task;
 

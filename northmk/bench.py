@@ -249,7 +249,8 @@ def summarize_tasks(t: torch.Tensor) -> dict:
             ops[op.name] = {"tasks": len(mine), "run_us": (mine[:, 2] - mine[:, 1]).sum().item() / 1e3,
                             "wait_us": (mine[:, 1] - mine[:, 0]).sum().item() / 1e3,
                             "max_run_us": (mine[:, 2] - mine[:, 1]).max().item() / 1e3}
-    # A layer begins with its first list task: a NORM (layer 0), QKV or ROUTER tile.
+    # A layer begins with its first task: a NORM (layer 0), QKV or ROUTER tile (past layer 0 at the
+    # end of the previous layer's queue; up to two rows stamped before their wait: vm.cuh's own_wait).
     firsts = (op_of == Opcode.NORM) | (op_of == Opcode.QKV) | (op_of == Opcode.ROUTER)
     chain: dict[str, list[float]] = {}
     timeline: dict[str, list[list[float]]] = {}

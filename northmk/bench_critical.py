@@ -4,19 +4,20 @@ The decode bench saves, per batch, the task times of one step (task-times-b{B}-c
 each task of the step's schedule, less its DRAIN entries, the ns when its SM began waiting
 for it, when it ran and when it ended, and op | layer << 8 | sm << 16). With the schedule that
 step ran (rebuilt here from the geometry, the SM count and the rows' lengths), each task has
-two constraints on when it ran: when its counter reached its target (the target-th end among
-the counter's signallers) and when its SM ended the task before it. Walking back from the
-step's last task through whichever of the two came later gives the chain that set the step's
-length, as links of three kinds:
+two constraints on when it ran: when its counters reached their target (each counter's
+target-th end among its signallers; a reader of a layer's input waits on the counters of all of
+its column blocks, its wait span, and the latest of those ends holds it) and when its SM ended
+the task before it. Walking back from the step's last task through whichever of the two came
+later gives the chain that set the step's length, as links of three kinds:
 
     run    a task running (its start to its end stamp, which follows its signal)
-    hop    its counter complete -> the waiting task running (the poll, the barrier after it)
+    hop    its counters complete -> the waiting task running (the poll, the barrier after it)
     turn   its SM's previous task ended -> this one running (claim, descriptor, barriers)
 
-Per counter, the hop from its last signaller's end to its first waiter's start (counter_hops, in
-the same report): how long a completed stage takes to start the stages that wait for it, by
-the opcodes on either side (the layer's boundary: DOWN and OPROJ -> QKV and ROUTER, through NORM
-in steps before v0.5; the routing: ROUTER -> GATE_UP).
+Per counter (per wait span of counters), the hop from its last signaller's end to its first
+waiter's start (counter_hops, in the same report): how long a completed stage takes to start
+the stages that wait for it, by the opcodes on either side (the layer's boundary: DOWN and
+OPROJ -> QKV and ROUTER, through NORM in steps before v0.5; the routing: ROUTER -> GATE_UP).
 
 The same times also say what a change of opcode costs a task (opcode_switches, `python -m
 northmk.bench switches`): its run after a task of its own opcode on its SM against after another.
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .megakernel import Opcode
+from .megakernel import POST_SCALED_MAX_BATCH, Opcode
 
 HOP, TURN, START = "hop", "turn", "start"
 
@@ -42,7 +43,7 @@ class Link:
     run_ns: int  # its start to its end
     how: str  # what it waited for last: HOP (its counter), TURN (its SM), START (nothing)
     gap_ns: int  # from that constraint's time to its start
-    after: int | None  # the task it waited for (the counter's completing signaller, or the SM's previous)
+    after: int | None  # the task it waited for (its counters' completing signaller, or the SM's previous)
 
 
 def previous_on_sm(began: np.ndarray, sm: np.ndarray) -> np.ndarray:
@@ -56,40 +57,49 @@ def previous_on_sm(began: np.ndarray, sm: np.ndarray) -> np.ndarray:
     return previous
 
 
-def counter_times(times: np.ndarray, wait: np.ndarray, target: np.ndarray, signal: np.ndarray) -> np.ndarray:
+def counter_times(times: np.ndarray, wait: np.ndarray, target: np.ndarray, signal: np.ndarray,
+                  span: np.ndarray) -> np.ndarray:
     """times as int64 once they are [N, 4] with N of each counter field; else ValueError."""
     times = np.asarray(times, dtype=np.int64)
-    if not (len(wait) == len(target) == len(signal) == len(times)) or times.ndim != 2 or times.shape[1] != 4:
+    if (not (len(wait) == len(target) == len(signal) == len(span) == len(times)) or times.ndim != 2
+            or times.shape[1] != 4):
         raise ValueError(f"times must be [N, 4] with N counter fields each; got {times.shape}, {len(wait)}")
     return times
 
 
-def completers(times: np.ndarray, wait: np.ndarray, target: np.ndarray, signal: np.ndarray) -> np.ndarray:
-    """Per task, the signaller whose end brought its counter to its target (the target-th by
-    end stamp; -1 where it waits for nothing). ValueError when a counter has fewer signals than
-    a task waits for."""
+def completers(times: np.ndarray, wait: np.ndarray, target: np.ndarray, signal: np.ndarray,
+               span: np.ndarray) -> np.ndarray:
+    """Per task, the signaller whose end brought the last of its counters (wait .. wait + span
+    - 1) to its target: of each counter's target-th signal by end stamp, the one that ended
+    last (-1 where it waits for nothing). ValueError when a counter has fewer signals than a
+    task waits for."""
     end = np.asarray(times, dtype=np.int64)[:, 2]
     by_end = {int(c): np.flatnonzero(signal == c)[np.argsort(end[signal == c], kind="stable")]
               for c in np.unique(signal[signal >= 0])}
     out = np.full(len(wait), -1, dtype=np.int64)
     for i in np.flatnonzero((wait >= 0) & (target > 0)):
-        ts = by_end.get(int(wait[i]), np.empty(0, dtype=np.int64))
-        if len(ts) < target[i]:
-            raise ValueError(f"task {i} waits for {target[i]} signals of counter {wait[i]}, the step has {len(ts)}")
-        out[i] = ts[int(target[i]) - 1]
+        for c in range(int(wait[i]), int(wait[i] + span[i])):
+            ts = by_end.get(c, np.empty(0, dtype=np.int64))
+            if len(ts) < target[i]:
+                raise ValueError(f"task {i} waits for {target[i]} signals of counter {c}, the step has {len(ts)}")
+            j = ts[int(target[i]) - 1]
+            if out[i] < 0 or end[j] > end[out[i]]:
+                out[i] = j
     return out
 
 
-def critical_path(times: np.ndarray, wait: np.ndarray, target: np.ndarray, signal: np.ndarray) -> list[Link]:
+def critical_path(times: np.ndarray, wait: np.ndarray, target: np.ndarray, signal: np.ndarray,
+                  span: np.ndarray) -> list[Link]:
     """The chain that ended last, first link first. times [N, 4] as the bench saves them; wait,
-    target, signal [N] the tasks' counter fields (wait -1: none; signal -1: none)."""
-    times = counter_times(times, wait, target, signal)
+    target, signal [N] the tasks' counter fields (wait -1: none; signal -1: none), span [N] how
+    many counters from wait each waits on (megakernel.wait_spans: 0 where wait is -1)."""
+    times = counter_times(times, wait, target, signal, span)
     n = len(times)
     if n == 0:
         return []
     began, start, end = times[:, 0], times[:, 1], times[:, 2]
     op, layer, sm = times[:, 3] & 0xFF, (times[:, 3] >> 8) & 0xFF, (times[:, 3] >> 16) & 0xFFFF
-    deps = [int(j) if j >= 0 else None for j in completers(times, wait, target, signal)]
+    deps = [int(j) if j >= 0 else None for j in completers(times, wait, target, signal, span)]
     previous = [int(j) if j >= 0 else None for j in previous_on_sm(began, sm)]
 
     chain = []
@@ -144,25 +154,27 @@ def report(chain: list[Link], layer: int | None = None) -> str:
     return "\n".join(out)
 
 
-def counter_hops(times: np.ndarray, wait: np.ndarray, target: np.ndarray, signal: np.ndarray) -> dict[str, dict]:
-    """Per (signalling opcodes -> waiting opcode), over the counters between them: the hop from
-    the end that brought the counter to its waiters' target to the first waiter's start, us
-    (count, median, mean). A task's end stamp follows its signal, so a hop may be slightly
-    negative. Arguments as critical_path's."""
-    times = counter_times(times, wait, target, signal)
+def counter_hops(times: np.ndarray, wait: np.ndarray, target: np.ndarray, signal: np.ndarray,
+                 span: np.ndarray) -> dict[str, dict]:
+    """Per (signalling opcodes -> waiting opcode), over the counters between them (a wait span
+    of several counters as one): the hop from the end that brought the last of them to its
+    waiters' target to the first waiter's start, us (count, median, mean). A task's end stamp
+    follows its signal, so a hop may be slightly negative. Arguments as critical_path's."""
+    times = counter_times(times, wait, target, signal, span)
     start, op = times[:, 1], times[:, 3] & 0xFF
-    done = counter_done(times, wait, target, signal)
+    done = counter_done(times, wait, target, signal, span)
     sources: dict[int, set[str]] = defaultdict(set)
     for i in np.flatnonzero(signal >= 0):
         sources[int(signal[i])].add(Opcode(int(op[i])).name)
-    first: dict[tuple[int, int], int] = {}  # (counter, target) -> its earliest waiter
+    first: dict[tuple[int, int, int], int] = {}  # (first counter, span, target) -> its earliest waiter
     for i in np.flatnonzero(done >= 0):
-        key = (int(wait[i]), int(target[i]))
+        key = (int(wait[i]), int(span[i]), int(target[i]))
         if key not in first or start[i] < start[first[key]]:
             first[key] = int(i)
     hops: dict[str, list[float]] = defaultdict(list)
-    for (c, _), i in first.items():
-        hops[f"{'+'.join(sorted(sources[c]))} -> {Opcode(int(op[i])).name}"].append((start[i] - done[i]) / 1e3)
+    for (c, n, _), i in first.items():
+        ops = set().union(*(sources[k] for k in range(c, c + n)))
+        hops[f"{'+'.join(sorted(ops))} -> {Opcode(int(op[i])).name}"].append((start[i] - done[i]) / 1e3)
     return {pair: {"count": len(h), "median_us": float(np.median(h)), "mean_us": float(np.mean(h))}
             for pair, h in sorted(hops.items(), key=lambda kv: -len(kv[1]))}
 
@@ -184,38 +196,39 @@ def context_bucket(length: int) -> int:
 
 
 def schedule_fields(schedule) -> tuple[np.ndarray, ...]:
-    """op, layer, wait, target, signal of a Schedule's tasks less the DRAIN entries: the rows
-    of the bench's task times."""
-    tasks = schedule.tasks[schedule.tasks["op"] != Opcode.DRAIN]
+    """op, layer, wait, target, signal and wait span (Schedule.wait_spans) of a Schedule's
+    tasks less the DRAIN entries: the rows of the bench's task times."""
+    work = schedule.tasks["op"] != Opcode.DRAIN
+    tasks = schedule.tasks[work]
     return (tasks["op"].astype(np.int64), tasks["layer"].astype(np.int64), tasks["wait"].astype(np.int64),
-            tasks["target"].astype(np.int64), tasks["signal"].astype(np.int64))
+            tasks["target"].astype(np.int64), tasks["signal"].astype(np.int64),
+            schedule.wait_spans()[work].astype(np.int64))
 
 
-# Up to this many rows the ROUTER tiles wait for their counter inside their run, after their
-# first weight burst is issued (vm.cuh's own_wait, common.cuh's kStagedMaxBatch): their start
-# stamp precedes the wait.
-OWN_WAIT_MAX_BATCH = 2
-
-
+# Up to POST_SCALED_MAX_BATCH rows the QKV and ROUTER tiles wait for their counters inside their
+# run, each chunk of their input for its column block's, after their first weight burst is
+# issued (vm.cuh's own_wait, common.cuh's gemv_normed): their start stamp precedes the wait.
 def waits_in_run(op: np.ndarray, batch: int) -> np.ndarray:
-    """Which tasks (their opcodes, of a step of `batch` rows) wait for their counter inside
+    """Which tasks (their opcodes, of a step of `batch` rows) wait for their counters inside
     their run, as the kernel's own_wait."""
-    return (np.asarray(op) == Opcode.ROUTER) & (batch <= OWN_WAIT_MAX_BATCH)
+    return np.isin(np.asarray(op), (Opcode.QKV, Opcode.ROUTER)) & (batch <= POST_SCALED_MAX_BATCH)
 
 
-def counter_done(times: np.ndarray, wait: np.ndarray, target: np.ndarray, signal: np.ndarray) -> np.ndarray:
-    """Per task, the end stamp of the signal that brought its counter to its target (ns; -1
-    where it waits for nothing); completers' errors."""
-    by = completers(times, wait, target, signal)
+def counter_done(times: np.ndarray, wait: np.ndarray, target: np.ndarray, signal: np.ndarray,
+                 span: np.ndarray) -> np.ndarray:
+    """Per task, the end stamp of the signal that brought the last of its counters to its
+    target (ns; -1 where it waits for nothing); completers' errors."""
+    by = completers(times, wait, target, signal, span)
     return np.where(by >= 0, np.asarray(times, dtype=np.int64)[:, 2][by], -1)
 
 
 def check_times(times: np.ndarray, schedule) -> tuple[np.ndarray, ...]:
-    """A step's task times as int64 and its Schedule's wait, target and signal fields;
-    ValueError when they do not belong together (another batch, context or SM count). A task
-    that waits inside its run (waits_in_run) gets the start of its run moved to its counter's
-    completion when that came later: its wait is then the wait, and its run what followed."""
-    op, layer, wait, target, signal = schedule_fields(schedule)
+    """A step's task times as int64 and its Schedule's wait, target, signal and wait span
+    fields (critical_path's arguments); ValueError when they do not belong together (another
+    batch, context or SM count). A task that waits inside its run (waits_in_run) gets the start
+    of its run moved to its counters' completion (counter_done: the last of them) when that
+    came later: its wait is then the wait, and its run what followed."""
+    op, layer, wait, target, signal, span = schedule_fields(schedule)
     times = np.asarray(times, dtype=np.int64)
     if times.ndim != 2 or len(times) != len(op):
         raise ValueError(f"the times have {len(times)} tasks, the schedule {len(op)}: another batch, context or SM count?")
@@ -224,8 +237,8 @@ def check_times(times: np.ndarray, schedule) -> tuple[np.ndarray, ...]:
     inside = waits_in_run(op, int(schedule.plan["batch"])) & (wait >= 0) & (target > 0)
     if inside.any():
         times = times.copy()
-        times[inside, 1] = np.maximum(times[inside, 1], counter_done(times, wait, target, signal)[inside])
-    return times, wait, target, signal
+        times[inside, 1] = np.maximum(times[inside, 1], counter_done(times, wait, target, signal, span)[inside])
+    return times, wait, target, signal, span
 
 
 def critical_path_of_run(times: np.ndarray, schedule) -> list[Link]:
@@ -279,7 +292,7 @@ def opcode_means(times: np.ndarray, layers: tuple[int, int] | None = None) -> di
     two and the last two, whose tasks overlap the step's start and end), their mean run and
     mean wait (us): how two builds' steps differ opcode by opcode. The timing records' upper 32
     bits (a build's diagnostic marks) are ignored. Without the schedule, a task that waits inside
-    its run (waits_in_run: ROUTER up to two rows) counts that wait in its run."""
+    its run (waits_in_run: QKV and ROUTER up to two rows) counts that wait in its run."""
     times = np.asarray(times, dtype=np.int64)
     if times.ndim != 2 or times.shape[1] != 4 or len(times) == 0:
         raise ValueError(f"times must be [N, 4] with N > 0; got {times.shape}")

@@ -97,6 +97,7 @@ def replay(schedule, fixed_ns, nbytes, sms: int, executors: int = 1, executor_bp
     may_ahead = np.zeros(len(schedule.tasks), dtype=bool) if ahead is None else np.asarray(ahead, dtype=bool)
     tasks = schedule.tasks
     ops, waits, targets, signals = (tasks[f].astype(int).tolist() for f in ("op", "wait", "target", "signal"))
+    spans = schedule.wait_spans().tolist()
     layers = tasks["layer"].astype(int).tolist()
     n_exec = schedule.num_sms
     lists = Lists(schedule)
@@ -111,7 +112,7 @@ def replay(schedule, fixed_ns, nbytes, sms: int, executors: int = 1, executor_bp
     early = np.zeros(n_exec)  # bytes of the current task streamed ahead (the target while prefetching)
     fixed_now = np.zeros(n_exec)  # the current task's fixed part
     reached: dict[int, list[float]] = defaultdict(list)  # counter -> when it reached 1, 2, ...
-    blocked: dict[int, list[int]] = defaultdict(list)
+    blocked: dict[int, list[int]] = defaultdict(list)  # counter -> executors whose task waits on it
     rows = np.zeros((len(tasks), 4), dtype=np.int64)
     placed = np.zeros(len(tasks), dtype=bool)
     # an executor's fixed part ends: (when, executor, True: the part before its bytes, False: after)
@@ -124,19 +125,24 @@ def replay(schedule, fixed_ns, nbytes, sms: int, executors: int = 1, executor_bp
         rows[i, 0], rows[i, 1] = int(free[x]), int(begin)
         heapq.heappush(timed, (begin + fixed_now[x] / 2, x, True))
 
+    def short(i: int) -> int | None:
+        """The first counter of task i's wait span short of its target, None when all reached it."""
+        return next((c for c in range(waits[i], waits[i] + spans[i]) if targets[i] > len(reached[c])), None)
+
     def take(x: int) -> None:
         i = lists.next(x)
         if i is None:
             return
         current[x] = i
-        w, target = waits[i], targets[i]
-        if w >= 0 and target > len(reached[w]):
-            blocked[w].append(x)
+        c = short(i)
+        if c is not None:
+            blocked[c].append(x)
             if may_ahead[i] and ahead_bytes > 0 and nbytes[i] > 0:
                 early[x] = left[x] = min(ahead_bytes, float(nbytes[i]))
                 cap[x], prefetching[x], streaming[x] = task_cap[i], True, True
         else:
-            start(x, reached[w][target - 1] + hop_ns if w >= 0 and target > 0 else 0.0)
+            counters, target = range(waits[i], waits[i] + spans[i]), targets[i]
+            start(x, max(reached[c][target - 1] for c in counters) + hop_ns if counters and target > 0 else 0.0)
 
     def end(x: int, now: float) -> None:
         i = current[x]
@@ -148,14 +154,12 @@ def replay(schedule, fixed_ns, nbytes, sms: int, executors: int = 1, executor_bp
         s = signals[i]
         if s >= 0:
             reached[s].append(now)
-            still = []
-            for waiter in blocked.pop(s, []):
-                if targets[current[waiter]] <= len(reached[s]):
+            for waiter in blocked.pop(s, []):  # each waits on s, or on a later counter of its span
+                c = short(current[waiter])
+                if c is None:
                     start(waiter, now + hop_ns)
                 else:
-                    still.append(waiter)
-            if still:
-                blocked[s] = still
+                    blocked[c].append(waiter)
         take(x)
 
     for x in range(n_exec):

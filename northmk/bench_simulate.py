@@ -1,7 +1,8 @@
 """A timed replay of a decode step's schedule: `python -m northmk.bench simulate`.
 
 The megakernel's SMs walk their task lists; at DRAIN(q) each claims queue q's next task when
-it is free and runs it once its counter reached its target. `simulate` plays that out in time
+it is free and runs it once its counters reached its target (a reader of a layer's input: every
+block counter of its wait span). `simulate` plays that out in time
 for a Schedule, given each task's run time and two gaps (a counter complete -> its waiter
 running: `hop`; an SM's previous task ended -> its next running: `turn`), and returns the task
 times in the kernel's own format ([tasks less DRAIN entries, 4]: began waiting, ran, ended in
@@ -70,16 +71,20 @@ class Lists:
 def simulate(schedule, run_ns, hop_ns: int = 500, turn_ns: int = 700) -> np.ndarray:
     """Task times of one step of `schedule` (rows: its tasks less the DRAIN entries, in order).
     run_ns[i]: the run time of schedule.tasks[i] (DRAIN entries' ignored). RuntimeError when
-    the SMs cannot all finish (a deadlock). A counter's target-th signal is the target-th end
-    among the signallers placed so far when its waiter is placed (SMs are placed in the order
-    they become free, so a later placement rarely ends earlier)."""
+    the SMs cannot all finish (a deadlock). A task runs a hop after the latest of its counters'
+    (schedule.wait_spans()) target-th signals: the target-th end among the counter's signallers
+    placed so far when its waiter is placed (SMs are placed in the order they become free, so a
+    later placement rarely ends earlier)."""
     tasks = schedule.tasks
     ops, waits, targets, signals = (tasks[f].astype(int).tolist() for f in ("op", "wait", "target", "signal"))
+    spans = schedule.wait_spans().tolist()
     lists = Lists(schedule)
     num_sms = schedule.num_sms
     free = [0] * num_sms  # when each SM ended its last task
     ends: dict[int, list[int]] = defaultdict(list)  # counter -> its signallers' ends, placed so far
-    blocked: dict[int, list[int]] = defaultdict(list)  # counter -> SMs whose next task waits on it
+    # counter -> SMs whose next task waits on it, short of its target (each SM under its task's
+    # first such counter: woken by a signal of it, the SM checks all of them again)
+    blocked: dict[int, list[int]] = defaultdict(list)
     rows = np.zeros((len(tasks), 4), dtype=np.int64)
     placed = np.zeros(len(tasks), dtype=bool)
     ready_sms = [(0, sm) for sm in range(num_sms)]
@@ -91,11 +96,12 @@ def simulate(schedule, run_ns, hop_ns: int = 500, turn_ns: int = 700) -> np.ndar
         i = lists.next(sm)
         if i is None:
             continue
-        w, target = waits[i], targets[i]
-        if w >= 0 and target > len(ends[w]):
-            blocked[w].append(sm)
+        counters, target = range(waits[i], waits[i] + spans[i]), targets[i]
+        short = next((c for c in counters if target > len(ends[c])), None)
+        if short is not None:
+            blocked[short].append(sm)
             continue
-        ready = sorted(ends[w])[target - 1] + hop_ns if w >= 0 and target > 0 else 0
+        ready = max(sorted(ends[c])[target - 1] for c in counters) + hop_ns if counters and target > 0 else 0
         start = max(free[sm] + (0 if first_turn[sm] else turn_ns), ready)
         end = start + int(run_ns[i])
         rows[i] = [free[sm], start, end, ops[i] | int(tasks["layer"][i]) << 8 | sm << 16]

@@ -18,7 +18,7 @@ from ctypes import POINTER, byref, c_float, c_int32, c_uint8, c_uint16, c_uint32
 import numpy as np
 import torch
 
-from .config import PAGE_SIZE, SLIDING, ModelConfig
+from .config import DENSE, PAGE_SIZE, SLIDING, ModelConfig
 from .model.kv import PagedKVCache
 from .model.weights import ModelWeights, tile_experts_, to_tiled
 from .native._lib import KV_MAX_GROUPS, check, load
@@ -27,13 +27,16 @@ MAX_BATCH = 8  # NMK_MK_MAX_BATCH
 MAX_SPLITS = 64  # NMK_MK_MAX_SPLITS
 MAX_GEMV_INPUT = 4096  # widest [8, K] bf16 input the kernel stages (cuda/schedule/schedule.hpp kMaxGemvInput)
 MAX_LAYERS = 128  # layers the kernel's parameters hold (cuda/mk/config.cuh kMaxLayers)
+BLOCK_COLS = 256  # NMK_MK_BLOCK_COLS: hidden columns per counter of a layer's input
+POST_SCALED_MAX_BATCH = 2  # NMK_MK_POST_SCALED_MAX_BATCH: QKV and ROUTER scale by rms after the GEMV
 
 
 class Opcode(enum.IntEnum):
-    """nmk_opcode, v0.5 semantics (include/northmk.h): layer l - 1's OPROJ and DOWN tasks add
-    their outputs into layer l's input sums (layer 0's: the embedding, from the NORM tiles);
-    every reader of the normed input normalizes those sums itself but the sparse GATE_UP
-    tasks, which read what the ROUTER tiles wrote."""
+    """nmk_opcode, v0.6 semantics (include/northmk.h): layer l - 1's OPROJ and DOWN tasks add
+    their outputs into layer l's input sums (layer 0's: the embedding, from the NORM tiles),
+    each signalling the counter of the column block its rows fall in; every reader of the
+    normed input normalizes those sums itself but the sparse GATE_UP tasks, which read what
+    the ROUTER tiles wrote, and waits on all of the input's block counters (wait_spans)."""
 
     NORM = 1  # layer 0, tile x: hidden cols [x * norm_cols, ...) of the embedding
     QKV = 2
@@ -226,6 +229,7 @@ class Schedule:
 
     def __init__(self, config: ModelConfig, num_sms: int, context_lens: list[int]):
         lib = _lib()
+        self.config = config
         self._geometry = _GeometryRef(config)
         lens = (c_int32 * len(context_lens))(*context_lens)
         handle = c_void_p()
@@ -254,6 +258,10 @@ class Schedule:
     def num_queues(self) -> int:
         return len(self.queue_offsets) - 1
 
+    def wait_spans(self) -> np.ndarray:
+        """wait_spans of every task (DRAIN entries included: 0)."""
+        return wait_spans(self.config, self.tasks)
+
     def tasks_of(self, sm: int) -> np.ndarray:
         """SM sm's list, DRAIN entries included."""
         return self.tasks[self.sm_offsets[sm]:self.sm_offsets[sm + 1]]
@@ -261,6 +269,23 @@ class Schedule:
     def queue(self, q: int) -> np.ndarray:
         """The tasks of queue q, in claim order."""
         return self.tasks[self.queue_offsets[q]:self.queue_offsets[q + 1]]
+
+
+def block_waiters(config: ModelConfig, op: np.ndarray, layer: np.ndarray) -> np.ndarray:
+    """Which tasks (their opcodes and layers) read a layer's input (or the last layer's
+    output), so wait on its block counters: QKV, ROUTER, LM_HEAD and a dense layer's GATE_UP."""
+    op, layer = np.asarray(op, dtype=np.int64), np.asarray(layer, dtype=np.int64)
+    dense = np.array([t == DENSE for t in config.mlp_types], dtype=bool)
+    reads_input = np.isin(op, (Opcode.QKV, Opcode.ROUTER, Opcode.LM_HEAD))
+    return reads_input | ((op == Opcode.GATE_UP) & dense[np.clip(layer, 0, len(dense) - 1)])
+
+
+def wait_spans(config: ModelConfig, tasks: np.ndarray) -> np.ndarray:
+    """Per task of a TASK_DTYPE array: how many counters it waits on, each until it reaches the
+    task's target: counters wait .. wait + span - 1 (task semantics v0.6). hidden / BLOCK_COLS
+    for the block waiters (block_waiters), 1 for any other task with a wait, 0 without one."""
+    span = np.where(block_waiters(config, tasks["op"], tasks["layer"]), config.hidden_size // BLOCK_COLS, 1)
+    return np.where(tasks["wait"].astype(np.int64) >= 0, span, 0)
 
 
 def check_schedule(config: ModelConfig, plan: dict[str, int], tasks: np.ndarray, sm_offsets: np.ndarray,

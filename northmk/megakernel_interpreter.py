@@ -1,17 +1,20 @@
 """A PyTorch interpreter of the megakernel's instruction stream, for machines without a GPU.
 
 It runs a host-built Schedule task by task, in an order the counters allow (each SM's list
-in order, a task only once its counter reached its target; an SM at DRAIN(q) claims the
-next unclaimed task of queue q and holds it until it may run, until q is exhausted), on
-the same buffers and with the same bf16 roundings as the kernel's tasks (cuda/mk/op_*.cuh),
-v0.5 semantics (include/northmk.h): layer l's input is a sum that layer l - 1's OPROJ and DOWN
-tasks add into (layer 0's: the embedding, from the NORM tiles), every reader of the normed input
-but a sparse GATE_UP rounds and normalizes that sum itself, ROUTER tiles write their shares
-of the normed input's image, which sparse GATE_UP tasks read, the last ROUTER tile to run
-routes the layer, DOWN weighs each pick's output by its routing weight, and an attention
-pair's last split to run merges its splits. Set beside the
-reference (megakernel_oracle) it checks what the schedule builder decides: tile sizes,
-attention splits, expert slots, the wiring of counters, the buffers each task reads and writes.
+in order, a task only once each counter it waits on reached its target; an SM at DRAIN(q)
+claims the next unclaimed task of queue q and holds it until it may run, until q is
+exhausted), on the same buffers and with the same bf16 roundings as the kernel's tasks
+(cuda/mk/op_*.cuh), v0.6 semantics (include/northmk.h): layer l's input is a sum that layer
+l - 1's OPROJ and DOWN tasks add into (layer 0's: the embedding, from the NORM tiles), each
+signalling the counter of the column block it wrote, and its readers (QKV, ROUTER, a dense
+GATE_UP, LM_HEAD) wait on all of the blocks' counters (wait_spans); every reader of the normed
+input but a sparse GATE_UP rounds and normalizes that sum itself, QKV and ROUTER up to
+POST_SCALED_MAX_BATCH rows by scaling their GEMV's outputs with each row's rms; ROUTER tiles
+write their shares of the normed input's image, which sparse GATE_UP tasks read, the last
+ROUTER tile to run routes the layer, DOWN weighs each pick's output by its routing weight, and
+an attention pair's last split to run merges its splits. Set beside the reference
+(megakernel_oracle) it checks what the schedule builder decides: tile sizes, attention
+splits, expert slots, the wiring of counters, the buffers each task reads and writes.
 
     run_schedule(config, weights, schedule, tokens, positions, tables, kv) -> (logits, MegakernelTrace)
     execution_order(schedule) -> [(sm, task index)]   who runs what, in an order the counters allow
@@ -24,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import PAGE_SIZE, SLIDING, ModelConfig
-from .megakernel import MegakernelTrace, Opcode, Schedule
+from .megakernel import POST_SCALED_MAX_BATCH, MegakernelTrace, Opcode, Schedule
 from .model.kv import PagedKVCache
 from .model.weights import ModelWeights
 
@@ -88,12 +91,25 @@ class _Step:
                                      torch.zeros(c.num_layers + 1, B, c.hidden_size),
                                      torch.full((c.num_layers, B, c.top_k), -1, dtype=torch.long))
 
-    def normed(self, weight: torch.Tensor, layer: int) -> torch.Tensor:
-        """h [B, H]: the input of `layer` (num_layers: of the final norm), its sums rounded to
-        bf16, normalized with their own sums of squares."""
+    def rms(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, H], the input of `layer` (num_layers: of the final norm) with its sums rounded
+        to bf16, and each row's rms [B] from x's own sums of squares."""
         x = rb(self.resid[layer % 3])
-        rms = torch.rsqrt(x.pow(2).sum(-1) / self.c.hidden_size + self.c.norm_eps)
+        return x, torch.rsqrt(x.pow(2).sum(-1) / self.c.hidden_size + self.c.norm_eps)
+
+    def normed(self, weight: torch.Tensor, layer: int) -> torch.Tensor:
+        """h [B, H]: the input of `layer` normalized, bf16(bf16(x * rms) * weight)."""
+        x, rms = self.rms(layer)
         return rb(rb(x * rms[:, None]) * weight.float())
+
+    def normed_gemv(self, weight: torch.Tensor, layer: int, w: torch.Tensor) -> torch.Tensor:
+        """bf16 outputs [B, R] of w [R, H] over the normed input of `layer` (QKV's, ROUTER's
+        gemv_normed): up to POST_SCALED_MAX_BATCH rows scaled after the GEMV, bf16(rms_b *
+        (g_b . w)) with g = bf16(x * weight); past that bf16(h_b . w) of the normed h."""
+        if self.plan["batch"] > POST_SCALED_MAX_BATCH:
+            return rb(self.normed(weight, layer) @ w.float().T)
+        x, rms = self.rms(layer)
+        return rb(rms[:, None] * (rb(x * weight.float()) @ w.float().T))
 
     # ---- tasks (cuda/mk/op_*.cuh) -------------------------------------------------------------
     def norm(self, tile: int) -> None:
@@ -106,10 +122,11 @@ class _Step:
             self.trace.x[0, b, span] = v
 
     def qkv(self, layer: int, tile: int) -> None:
+        """Rows of qkv over the normed input (normed_gemv), RoPE on the rounded outputs: q, and
+        k, v into the paged cache."""
         c, rows = self.c, self.plan["qkv_rows"]
         r0, r1 = tile * rows, min((tile + 1) * rows, c.q_size + 2 * c.kv_size)
-        h = self.normed(self.w.layers[layer].norm, layer)
-        out = rb(h @ self.w.layers[layer].qkv[r0:r1].float().T)  # [B, rows]
+        out = self.normed_gemv(self.w.layers[layer].norm, layer, self.w.layers[layer].qkv[r0:r1])  # [B, rows]
         for b, pos in enumerate(self.positions):
             for r in range(r0, r1, 2):
                 v0, v1 = out[b, r - r0], out[b, r - r0 + 1]
@@ -165,13 +182,15 @@ class _Step:
         self.trace.x[layer, :, r0:r1], self.trace.attn[layer + 1, :, r0:r1] = x, a
 
     def router(self, layer: int, tile: int) -> None:
+        """The tile's experts' logits (normed_gemv) and its share of the normed image; the last
+        tile routes the layer."""
         rows = self.plan["router_rows"]
         e0, e1 = tile * rows, min((tile + 1) * rows, self.c.num_experts)
-        h = self.normed(self.w.layers[layer].norm, layer)
-        self.router_logits[:, e0:e1] = rb(h @ self.w.layers[layer].router[e0:e1].float().T)
+        lw = self.w.layers[layer]
+        self.router_logits[:, e0:e1] = self.normed_gemv(lw.norm, layer, lw.router[e0:e1])
         tiles, blocks = self.plan["router_tiles"], self.c.hidden_size // 32
         k0, k1 = 32 * (tile * blocks // tiles), 32 * ((tile + 1) * blocks // tiles)
-        self.normed_image[:, k0:k1] = h[:, k0:k1]
+        self.normed_image[:, k0:k1] = self.normed(lw.norm, layer)[:, k0:k1]  # the exact image, either way
         self.route_ticket += 1
         if self.route_ticket == tiles:  # the last tile routes the layer
             self.route_ticket = 0
@@ -252,11 +271,13 @@ class _Step:
 
 def execution_order(schedule: Schedule) -> list[tuple[int, int]]:
     """(sm, index into schedule.tasks) of every task but the DRAIN entries, in an order the
-    kernel may run them: round-robin over the SMs, each running as far as its waits allow;
-    an SM at DRAIN(q) claims queue q's next task and holds it until its wait is met, until q
-    has none left. Deterministic. RuntimeError if no SM can make progress (a deadlock)."""
+    kernel may run them: round-robin over the SMs, each running as far as its waits allow (a
+    task once every counter of its wait span, schedule.wait_spans(), reached its target); an SM
+    at DRAIN(q) claims queue q's next task and holds it until its wait is met, until q has none
+    left. Deterministic. RuntimeError if no SM can make progress (a deadlock)."""
     tasks, num_sms = schedule.tasks, schedule.num_sms
     ops, waits, targets, signals = (tasks[f].astype(int).tolist() for f in ("op", "wait", "target", "signal"))
+    spans = schedule.wait_spans().tolist()
     queue_x = tasks["x"].astype(int).tolist()
     counters = [0] * schedule.plan["num_counters"]
     cursor = [int(o) for o in schedule.sm_offsets[:-1]]
@@ -267,7 +288,7 @@ def execution_order(schedule: Schedule) -> list[tuple[int, int]]:
     order: list[tuple[int, int]] = []
 
     def ready(i: int) -> bool:
-        return waits[i] < 0 or counters[waits[i]] >= targets[i]
+        return all(counters[c] >= targets[i] for c in range(waits[i], waits[i] + spans[i]))
 
     def run(sm: int, i: int) -> None:
         order.append((sm, i))

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import ModelConfig
-from .megakernel import MegakernelTrace
+from .megakernel import POST_SCALED_MAX_BATCH, MegakernelTrace
 from .model.kv import BatchLayout, PagedKVCache
 from .model.reference import ReferenceModel, rope_tables, swiglu
 from .model.weights import LayerWeights, ModelWeights
@@ -76,6 +76,16 @@ def _checked_experts(logits: torch.Tensor, top_k: int, kernel: torch.Tensor, lay
     return chosen
 
 
+def post_scaled(x: torch.Tensor, norm: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """bf16(rms * (bf16(x * norm) @ weight.T)) per row of bf16 x [T, H]: a GEMV over the normed
+    input as the kernel's QKV and ROUTER tasks compute it up to POST_SCALED_MAX_BATCH rows, the
+    rms applied to the fp32 sums (include/northmk.h, task semantics v0.6)."""
+    xf = x.float()
+    rms = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    g = (xf * norm.float()).to(torch.bfloat16).float()
+    return (rms * (g @ weight.float().T)).to(torch.bfloat16)
+
+
 class _Fp32Arithmetic(torch.overrides.TorchFunctionMode):
     """bf16 matmuls and attention computed from the same bf16 operands with IEEE fp32 sums,
     rounded to bf16 once per output: the kernel's arithmetic. (torch's bf16 tensor-core
@@ -114,7 +124,9 @@ def reference_step(config: ModelConfig, weights: ModelWeights, tokens: torch.Ten
     trace: the kernel's records of the same step; its routing is checked on its own input
     and then shared. teacher: feed each layer the kernel's input x instead of the
     reference's own (then the records measure each layer's error alone). fp32_sums: every
-    bf16 matmul and attention sums in IEEE fp32 (False: torch's own bf16 kernels)."""
+    bf16 matmul and attention sums in IEEE fp32 (False: torch's own bf16 kernels). Up to
+    POST_SCALED_MAX_BATCH rows the QKV projection and the router logits are rounded as the
+    kernel's (post_scaled)."""
     if teacher and trace is None:
         raise ValueError("teacher forcing needs the kernel's trace")
     with torch.inference_mode(), (_Fp32Arithmetic() if fp32_sums else nullcontext()):
@@ -131,22 +143,28 @@ def _reference_step(config: ModelConfig, weights: ModelWeights, tokens: torch.Te
     records = torch.zeros(3, L + 1, rows, H, dtype=torch.float32, device=x.device)
     experts = torch.full((L, rows, config.top_k), -1, dtype=torch.long, device=x.device)
     errors: list[str] = []
+    scaled = rows <= POST_SCALED_MAX_BATCH
+
+    def project(x: torch.Tensor, h: torch.Tensor, layer: LayerWeights, weight: torch.Tensor) -> torch.Tensor:
+        return post_scaled(x, layer.norm, weight, config.norm_eps) if scaled else h @ weight.T
+
     for i, layer in enumerate(weights.layers):
         if teacher:
             x = trace.x[i].to(x.device, x.dtype)
         if i == 0:
             records[0, 0] = x.float()
         h = ref.norm(x, layer.norm)
-        attn = ref.attention(i, layer, h, positions, cos, sin, layout, kv)
+        attn = ref.attention(i, layer, h, positions, cos, sin, layout, kv, qkv=project(x, h, layer, layer.qkv))
         if layer.is_dense:
             mlp = swiglu(h, layer.gate_up, layer.down)
         else:
-            logits = h @ layer.router.T
+            logits = project(x, h, layer, layer.router)
             if trace is None:
                 experts[i] = torch.topk(logits.float(), config.top_k, dim=-1).indices.sort(dim=-1).values
             else:
-                h_kernel = ref.norm(trace.x[i].to(x.device, x.dtype), layer.norm)
-                experts[i] = _checked_experts(h_kernel @ layer.router.T, config.top_k, trace.experts[i], i, errors)
+                x_kernel = trace.x[i].to(x.device, x.dtype)
+                own = project(x_kernel, ref.norm(x_kernel, layer.norm), layer, layer.router)
+                experts[i] = _checked_experts(own, config.top_k, trace.experts[i], i, errors)
             picked = torch.sigmoid(logits.gather(1, experts[i]).float())
             mlp = expert_sum(h, picked.to(h.dtype), experts[i], layer)
         x = x + attn + mlp

@@ -321,7 +321,8 @@ def test_a_failing_backend_keeps_the_rows_measured_before_it(tmp_path, monkeypat
 def test_task_time_summary_follows_the_schedules_tasks():
     """summarize_tasks on a step timed as the kernel would time it: the SMs run their lists and
     drain the queues in the interpreter's order, every task 1 us, starting once its SM is free
-    and its wait is met; each record says which SM ran it (op | layer << 8 | sm << 16)."""
+    and each counter of its wait span is complete; each record says which SM ran it (op |
+    layer << 8 | sm << 16)."""
     import numpy as np
 
     from northmk.checkpoint_writer import config_dict
@@ -329,12 +330,12 @@ def test_task_time_summary_follows_the_schedules_tasks():
     from northmk.megakernel_interpreter import execution_order
 
     schedule = Schedule(ModelConfig.from_dict(config_dict("mk-small")), 4, [100, 37])
-    tasks = schedule.tasks
+    tasks, spans = schedule.tasks, schedule.wait_spans()
     rows = np.zeros((len(tasks), 4), dtype=np.int64)
     clock, ready = [0] * schedule.num_sms, {}
     for sm, i in execution_order(schedule):
         wait, signal = int(tasks["wait"][i]), int(tasks["signal"][i])
-        start = max(clock[sm], ready.get(wait, 0))
+        start = max([clock[sm]] + [ready.get(c, 0) for c in range(wait, wait + int(spans[i]))])
         rows[i] = [clock[sm], start, start + 1000, int(tasks["op"][i]) | int(tasks["layer"][i]) << 8 | sm << 16]
         clock[sm] = start + 1000
         if signal >= 0:

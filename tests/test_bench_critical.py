@@ -5,6 +5,7 @@ as the kernel would run it; and the timed replay of a schedule (northmk.bench_si
 
 from __future__ import annotations
 
+import copy
 import json
 
 import numpy as np
@@ -15,12 +16,37 @@ from northmk.bench_critical import (HOP, START, TURN, check_times, context_bucke
                                     critical_path, critical_path_of_run, hops_report, opcode_means, opcode_switches,
                                     report, summarize, switches_report, waits_in_run)
 from northmk.bench_simulate import replay_runs, simulate
-from northmk.megakernel import Opcode, Schedule
+from northmk.megakernel import TASK_DTYPE, Opcode, Schedule
 from northmk.megakernel_interpreter import execution_order
 
 
 def record(op: Opcode, sm: int, began: int, start: int, end: int, layer: int = 0) -> list[int]:
     return [began, start, end, int(op) | layer << 8 | sm << 16]
+
+
+def one_counter(wait: np.ndarray) -> np.ndarray:
+    """The wait spans of hand-built tasks that each wait on one counter (or none)."""
+    return (np.asarray(wait) >= 0).astype(np.int64)
+
+
+def hand_made(lists: list[list[tuple[Opcode, int, int, int, int, int]]], batch: int = 1) -> Schedule:
+    """A Schedule of mk-small's geometry (hidden 512: two column blocks, a reader of a layer's
+    input waits on two counters) with these SM lists of (op, layer, x, wait, target, signal)
+    and no queues."""
+    s = Schedule.__new__(Schedule)
+    rows = [(op, layer, x, 0, 0, wait, target, signal)
+            for tasks in lists for op, layer, x, wait, target, signal in tasks]
+    s.config, s.tasks = bench.geometry("mk-small"), np.array(rows, dtype=TASK_DTYPE)
+    s.sm_offsets = np.cumsum([0] + [len(tasks) for tasks in lists]).astype(np.uint32)
+    s.queue_offsets = np.array([len(rows)], dtype=np.uint32)
+    last = s.tasks["wait"].astype(np.int64) + s.wait_spans() - 1  # the last counter each task waits on
+    s.plan = {"batch": batch, "num_counters": 1 + int(max(last.max(), s.tasks["signal"].max()))}
+    return s
+
+
+# Layer 0's two OPROJ tiles each complete one column block of layer 1's input (counters 0 and 1):
+# SM 0's at 1 us, SM 1's at 5 us. Layer 1's QKV tile (SM 2) waits on both (its wait: counter 0).
+BLOCKS = [[(Opcode.OPROJ, 0, 0, -1, 0, 0)], [(Opcode.OPROJ, 0, 1, -1, 0, 1)], [(Opcode.QKV, 1, 0, 0, 1, 2)]]
 
 
 def test_the_chain_follows_the_later_of_counter_and_sm():
@@ -35,7 +61,7 @@ def test_the_chain_follows_the_later_of_counter_and_sm():
     wait = np.array([-1, 0, -1, 1, -1])
     target = np.array([0, 1, 0, 1, 0])
     signal = np.array([0, 1, -1, -1, -1])
-    chain = critical_path(times, wait, target, signal)
+    chain = critical_path(times, wait, target, signal, one_counter(wait))
     # ROUTER ended last; its SM's previous task was QKV (a turn), QKV waited for NORM (a hop).
     assert [(link.op, link.how, link.gap_ns) for link in chain] == [
         ("NORM", START, 0), ("QKV", HOP, 2_000), ("ROUTER", TURN, 1_500)]
@@ -55,7 +81,8 @@ def test_a_counter_is_complete_at_its_target_th_signal():
         record(Opcode.NORM, 2, 0, 0, 30_000),
         record(Opcode.QKV, 3, 0, 10_000, 60_000),
     ])
-    chain = critical_path(times, np.array([-1, -1, -1, 0]), np.array([0, 0, 0, 2]), np.array([0, 0, 0, -1]))
+    wait = np.array([-1, -1, -1, 0])
+    chain = critical_path(times, wait, np.array([0, 0, 0, 2]), np.array([0, 0, 0, -1]), one_counter(wait))
     assert [(link.task, link.how) for link in chain] == [(1, START), (3, HOP)]
     assert chain[1].gap_ns == 1_000
 
@@ -63,10 +90,14 @@ def test_a_counter_is_complete_at_its_target_th_signal():
 def test_bad_timings_are_refused():
     times = np.array([record(Opcode.QKV, 0, 0, 0, 10)])
     with pytest.raises(ValueError, match="waits for 2 signals of counter 0, the step has 0"):
-        critical_path(times, np.array([0]), np.array([2]), np.array([-1]))
+        critical_path(times, np.array([0]), np.array([2]), np.array([-1]), np.array([1]))
+    with pytest.raises(ValueError, match="waits for 1 signals of counter 1, the step has 0"):
+        critical_path(times, np.array([0]), np.array([1]), np.array([0]), np.array([2]))  # its second counter
     with pytest.raises(ValueError, match=r"\[N, 4\]"):
-        critical_path(times[:, :3], np.array([-1]), np.array([0]), np.array([-1]))
-    assert critical_path(np.zeros((0, 4)), np.array([]), np.array([]), np.array([])) == []
+        critical_path(times[:, :3], np.array([-1]), np.array([0]), np.array([-1]), np.array([0]))
+    with pytest.raises(ValueError, match=r"\[N, 4\]"):
+        critical_path(times, np.array([-1]), np.array([0]), np.array([-1]), np.array([]))
+    assert critical_path(np.zeros((0, 4)), np.array([]), np.array([]), np.array([]), np.array([])) == []
 
 
 def test_counter_hops_go_from_the_completing_end_to_the_first_waiter():
@@ -84,7 +115,8 @@ def test_counter_hops_go_from_the_completing_end_to_the_first_waiter():
     wait = np.array([-1, -1, 0, 0, 1, 2, -1, 3])
     target = np.array([0, 0, 2, 2, 2, 1, 0, 1])
     signal = np.array([0, 0, 1, 1, 2, -1, 3, -1])
-    hops = counter_hops(times, wait, target, signal)
+    span = one_counter(wait)
+    hops = counter_hops(times, wait, target, signal, span)
     assert list(hops) == ["QKV -> ATTN", "DOWN+OPROJ -> NORM", "NORM -> QKV"]  # most counters first
     assert hops["DOWN+OPROJ -> NORM"] == {"count": 1, "median_us": 0.5, "mean_us": 0.5}
     assert hops["NORM -> QKV"]["median_us"] == 1.0  # the later NORM's end completed it
@@ -92,21 +124,46 @@ def test_counter_hops_go_from_the_completing_end_to_the_first_waiter():
     text = hops_report(hops)
     assert text.splitlines()[0].startswith("counter hops") and "DOWN+OPROJ -> NORM" in text
     with pytest.raises(ValueError, match="waits for 3 signals of counter 1, the step has 2"):
-        counter_hops(times, wait, np.array([0, 0, 2, 2, 3, 1, 0, 1]), signal)
+        counter_hops(times, wait, np.array([0, 0, 2, 2, 3, 1, 0, 1]), signal, span)
     with pytest.raises(ValueError, match=r"\[N, 4\]"):
-        counter_hops(times[:, :3], wait, target, signal)
+        counter_hops(times[:, :3], wait, target, signal, span)
+
+
+def test_a_reader_of_a_layers_input_waits_for_the_last_of_its_blocks():
+    # BLOCKS: QKV's first counter is complete at 1 us, its second at 5 us; it ran at 5.2 us.
+    times = np.array([
+        record(Opcode.OPROJ, 0, 0, 0, 1_000),
+        record(Opcode.OPROJ, 1, 0, 0, 5_000),
+        record(Opcode.QKV, 2, 0, 5_200, 8_000, layer=1),
+    ])
+    wait, target, signal, span = np.array([-1, -1, 0]), np.array([0, 0, 1]), np.array([0, 1, 2]), np.array([0, 0, 2])
+    assert counter_done(times, wait, target, signal, span).tolist() == [-1, -1, 5_000]
+    chain = critical_path(times, wait, target, signal, span)
+    assert [(link.task, link.how, link.gap_ns) for link in chain] == [(1, START, 0), (2, HOP, 200)]
+    assert counter_hops(times, wait, target, signal, span) == {"OPROJ -> QKV": {"count": 1, "median_us": 0.2,
+                                                                                "mean_us": 0.2}}
+    # the same fields from a Schedule: wait_spans says the QKV tile waits on both blocks
+    checked, *fields = check_times(times, hand_made(BLOCKS, batch=3))
+    assert [f.tolist() for f in fields] == [wait.tolist(), target.tolist(), signal.tolist(), span.tolist()]
+    assert (checked == times).all()
+    # up to two rows the tile is stamped before its wait (own_wait): its run starts at the last block's end
+    early = times.copy()
+    early[2, 1] = 1_500
+    checked, *fields = check_times(early, hand_made(BLOCKS, batch=2))
+    assert checked[2, 1] == 5_000 and (checked[:2] == early[:2]).all()
 
 
 def timed_step(schedule: Schedule, run_ns: int = 1000) -> np.ndarray:
     """The step's task times as the kernel records them (DRAIN entries left out), every task
-    run_ns long, starting when its SM is free and its counter reached its target, the SMs
-    taking their tasks in the interpreter's execution order."""
-    tasks = schedule.tasks
+    run_ns long, starting when its SM is free and each counter of its wait span reached its
+    target, the SMs taking their tasks in the interpreter's execution order."""
+    tasks, spans = schedule.tasks, schedule.wait_spans()
     rows = np.zeros((len(tasks), 4), dtype=np.int64)
     clock, ends = [0] * schedule.num_sms, {}
     for sm, i in execution_order(schedule):
         wait, target, signal = int(tasks["wait"][i]), int(tasks["target"][i]), int(tasks["signal"][i])
-        ready = sorted(ends.get(wait, []))[target - 1] if wait >= 0 and target else 0
+        counters = range(wait, wait + int(spans[i]))
+        ready = max((sorted(ends.get(c, []))[target - 1] for c in counters), default=0) if target else 0
         start = max(clock[sm], ready)
         rows[i] = [clock[sm], start, start + run_ns, int(tasks["op"][i]) | int(tasks["layer"][i]) << 8 | sm << 16]
         clock[sm] = start + run_ns
@@ -129,26 +186,31 @@ def test_a_scheduled_step_chains_from_its_first_task_to_its_last():
         assert times[link.task, 1] >= times[before.task, 2]
 
 
-def test_a_router_that_waits_inside_its_run_is_read_from_its_counters_completion():
-    # Up to two rows a ROUTER task is stamped as started before its wait for its layer's input
-    # (vm.cuh's own_wait): the tools that have the schedule read its run from the counter's completion.
-    for rows, inside in (([128, 128], True), ([128, 128, 128], False)):
+def test_qkv_and_router_tiles_that_wait_inside_their_run_are_read_from_their_counters_completion():
+    # Up to two rows QKV and ROUTER tasks are stamped as started before their wait for their
+    # layer's input (vm.cuh's own_wait): the tools that have the schedule read their run from
+    # the completion of the last of their counters.
+    for rows, inside in (([128, 128], True), ([128], True), ([128, 128, 128], False)):
         schedule = Schedule(bench.geometry("mk-small"), 4, rows)
         times = timed_step(schedule)
-        router = (times[:, 3] & 0xFF) == Opcode.ROUTER
+        _, wait, target, signal, span = check_times(times, schedule)
+        op = times[:, 3] & 0xFF
+        own = (op == Opcode.ROUTER) | (op == Opcode.QKV)
+        assert (span[own] == 2).all(), "mk-small's input is two column blocks"
+        waited = own & (times[:, 1] == counter_done(times, wait, target, signal, span))  # ran as the last completed
+        assert set(op[waited]) == {Opcode.QKV, Opcode.ROUTER}
         early = times.copy()
-        early[router, 1] -= 700  # stamped 0.7 us before the counter let them run
-        checked, wait, target, signal = check_times(early, schedule)
-        assert (checked[~router] == early[~router]).all()
-        done = counter_done(early, wait, target, signal)[router]
-        assert (done > early[router, 1]).all()
+        early[waited, 1] -= 700  # stamped 0.7 us before the counters let them run
+        checked, *fields = check_times(early, schedule)
+        assert (counter_done(early, *fields)[waited] == times[waited, 1]).all()
         if inside:
-            assert (checked[router, 1] == np.maximum(early[router, 1], done)).all()
-            assert (checked[router, 1] == times[router, 1]).all()  # the timed step's own starts
-            assert all(link.gap_ns >= 0 for link in critical_path(checked, wait, target, signal))
+            assert (checked == times).all()  # the timed step's own starts
+            assert all(link.gap_ns >= 0 for link in critical_path(checked, *fields))
         else:
             assert (checked == early).all()
-    assert not waits_in_run(np.array([Opcode.QKV, Opcode.NORM]), 1).any()
+    ops = np.array([Opcode.QKV, Opcode.ROUTER, Opcode.NORM, Opcode.GATE_UP, Opcode.LM_HEAD])
+    assert waits_in_run(ops, 2).tolist() == [True, True, False, False, False]
+    assert not waits_in_run(ops, 3).any()
 
 
 def test_times_of_another_schedule_are_refused():
@@ -269,9 +331,11 @@ def test_a_replayed_step_keeps_every_constraint_of_the_kernel():
         mine = times[sm == s]
         mine = mine[np.argsort(mine[:, 1])]
         assert (mine[1:, 1] >= mine[:-1, 2] + turn).all()
-    for i in range(len(work)):  # a task runs a hop after its counter's target-th signal
-        if work["wait"][i] >= 0 and work["target"][i] > 0:
-            ends = np.sort(times[work["signal"] == work["wait"][i], 2])
+    spans = schedule.wait_spans()[tasks["op"] != Opcode.DRAIN]
+    assert spans.max() == 2, "readers of a layer's input wait on two block counters"
+    for i in range(len(work)):  # a task runs a hop after each of its counters' target-th signal
+        for c in range(work["wait"][i], work["wait"][i] + spans[i]):
+            ends = np.sort(times[work["signal"] == c, 2])
             assert times[i, 1] >= ends[work["target"][i] - 1] + hop
     # the queues' tasks are claimed in queue order
     offsets = schedule.queue_offsets
@@ -302,10 +366,23 @@ def test_a_replay_that_cannot_finish_says_so():
     tasks = schedule.tasks.copy()
     first = np.flatnonzero(tasks["op"] == Opcode.QKV)[0]
     tasks["target"][first] += 1000  # more signals than the step will ever send
-    broken = type("S", (), {"tasks": tasks, "sm_offsets": schedule.sm_offsets,
-                            "queue_offsets": schedule.queue_offsets, "num_sms": schedule.num_sms})
+    broken = copy.copy(schedule)
+    broken.tasks = tasks
     with pytest.raises(RuntimeError, match="deadlock"):
         simulate(broken, np.full(len(tasks), 1000))
+
+
+def test_a_replayed_reader_of_a_layers_input_waits_for_the_last_of_its_blocks():
+    times = simulate(hand_made(BLOCKS), np.array([1_000, 5_000, 3_000]), 200, 0)
+    assert times[2, 1] == 5_000 + 200  # not 1 us + the hop: its first block was complete then
+    assert [link.task for link in critical_path_of_run(times, hand_made(BLOCKS))] == [1, 2]
+    # SM 0 reaches the QKV tile at 1 us with one block complete; SM 1's OPROJ tile, after a 4 us
+    # ATTN task, completes the other at 5.1 us: its signal wakes SM 0, which runs QKV a hop later
+    later = hand_made([[(Opcode.OPROJ, 0, 0, -1, 0, 0), (Opcode.QKV, 1, 0, 0, 1, 2)],
+                       [(Opcode.ATTN, 0, 0, -1, 0, -1), (Opcode.OPROJ, 0, 1, -1, 0, 1)]])
+    times = simulate(later, np.array([1_000, 3_000, 4_000, 1_000]), 200, 100)
+    assert times[3, 1:3].tolist() == [4_100, 5_100]
+    assert times[1, :3].tolist() == [1_000, 5_300, 8_300]
 
 
 def test_simulate_command_compares_the_replay_with_the_measured_step(tmp_path, capsys):

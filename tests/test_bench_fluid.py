@@ -4,6 +4,8 @@ several executors per SM run their own lists of a schedule built for them."""
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 
@@ -14,6 +16,8 @@ from northmk.bench_fluid import fixed_parts, replay, schedule_bytes, step_us, us
 from northmk.bench_simulate import simulate
 from northmk.bench_timeline import task_bytes
 from northmk.megakernel import Opcode, Schedule
+
+from .test_bench_critical import BLOCKS, hand_made
 
 WIDE = 1e9  # bytes per ns: a cap that never binds
 
@@ -40,6 +44,19 @@ def test_with_caps_that_never_bind_it_is_the_timed_replay():
     assert fluid.shape == timed.shape
     assert (fluid[:, 3] == timed[:, 3]).all()  # the same tasks on the same lists
     assert np.abs(fluid[:, 1:3] - timed[:, 1:3]).max() <= 16  # ns: only rounding apart
+
+
+def test_a_reader_of_a_layers_input_waits_for_the_last_of_its_blocks():
+    # test_bench_critical's BLOCKS: the QKV tile's first input block is complete at 1 us, its
+    # second at 5 us; and an executor held at the tile is woken by its second counter's signal
+    times = replay(hand_made(BLOCKS), np.array([1_000.0, 5_000.0, 3_000.0]), np.zeros(3), 3, 1, 40.0, WIDE, WIDE,
+                   200, 0)
+    assert times[2, 1] == 5_000 + 200
+    later = hand_made([[(Opcode.OPROJ, 0, 0, -1, 0, 0), (Opcode.QKV, 1, 0, 0, 1, 2)],
+                       [(Opcode.ATTN, 0, 0, -1, 0, -1), (Opcode.OPROJ, 0, 1, -1, 0, 1)]])
+    times = replay(later, np.array([1_000.0, 3_000.0, 4_000.0, 1_000.0]), np.zeros(4), 2, 1, 40.0, WIDE, WIDE, 200, 100)
+    assert times[1, :3].tolist() == [1_000, 5_300, 8_300]
+    assert (times == simulate(later, np.array([1_000, 3_000, 4_000, 1_000]), 200, 100)).all()
 
 
 def test_dram_and_sm_caps_bound_the_step_from_below():
@@ -151,8 +168,8 @@ def test_a_replay_that_does_not_fit_or_cannot_finish_says_so():
         replay(schedule, fixed, nbytes, 4, 1, 0.0)
     tasks = schedule.tasks.copy()
     tasks["target"][np.flatnonzero(tasks["op"] == Opcode.QKV)[0]] += 1000
-    broken = type("S", (), {"tasks": tasks, "sm_offsets": schedule.sm_offsets,
-                            "queue_offsets": schedule.queue_offsets, "num_sms": schedule.num_sms})
+    broken = copy.copy(schedule)
+    broken.tasks = tasks
     with pytest.raises(RuntimeError, match="deadlock"):
         replay(broken, fixed, nbytes, 4)
 

@@ -11,12 +11,14 @@ import torch
 
 from northmk.checkpoint import synthetic_weights
 from northmk.config import PAGE_SIZE, ModelConfig
-from northmk.megakernel import Opcode, Schedule, check_schedule
+from northmk.megakernel import POST_SCALED_MAX_BATCH, Opcode, Schedule, check_schedule
 from northmk.megakernel_interpreter import _Step, execution_order, rb, run_schedule
 from northmk.megakernel_oracle import AGREE, AGREE_LAYER, cosine, first_divergence, layer_report, reference_step
 from northmk.model.kv import BatchLayout, PagedKVCache
 from northmk.model.reference import route as reference_route
 from northmk.native import NativeError
+
+from .test_bench_critical import hand_made
 
 
 @pytest.fixture(scope="module")
@@ -54,24 +56,27 @@ CONTEXTS = [1, 63, 64, 65, 200]
 TOKENS = torch.tensor([5, 77, 300, 2, 511])
 
 
-def interpret(config, weights, schedule_lens, num_sms=7):
-    kv, tables = cache(config, CONTEXTS)
+def interpret(config, weights, schedule_lens, num_sms=7, contexts=CONTEXTS):
+    kv, tables = cache(config, contexts)
     before = copy(config, kv)
     schedule = Schedule(config, num_sms, schedule_lens)
-    positions = [c - 1 for c in CONTEXTS]
-    logits, trace = run_schedule(config, weights, schedule, TOKENS, positions, tables, kv)
-    return logits, trace, kv, before, BatchLayout([1] * len(CONTEXTS), positions, tables)
+    positions = [c - 1 for c in contexts]
+    logits, trace = run_schedule(config, weights, schedule, TOKENS[-len(contexts):], positions, tables, kv)
+    return logits, trace, kv, before, BatchLayout([1] * len(contexts), positions, tables)
 
 
-def test_the_schedule_computes_the_reference_step_layer_by_layer(small):
+# Five rows, and one and two (QKV and ROUTER scale their outputs by the rms: POST_SCALED_MAX_BATCH).
+@pytest.mark.parametrize("contexts", [CONTEXTS, CONTEXTS[-2:], CONTEXTS[-1:]], ids=["5 rows", "2 rows", "1 row"])
+def test_the_schedule_computes_the_reference_step_layer_by_layer(small, contexts):
     config, weights = small
-    logits, trace, kv, before, layout = interpret(config, weights, CONTEXTS)
-    oracle = reference_step(config, weights, TOKENS, layout, copy(config, before), trace=trace)
+    tokens = TOKENS[-len(contexts):]
+    logits, trace, kv, before, layout = interpret(config, weights, contexts, contexts=contexts)
+    oracle = reference_step(config, weights, tokens, layout, copy(config, before), trace=trace)
     assert not oracle.routing_errors, oracle.routing_errors[:3]
     assert first_divergence(layer_report(trace, oracle)) is None
-    for r in range(len(CONTEXTS)):
+    for r in range(len(contexts)):
         assert cosine(logits[r], oracle.logits[r]) >= AGREE
-    local = reference_step(config, weights, TOKENS, layout, before, trace=trace, teacher=True)
+    local = reference_step(config, weights, tokens, layout, before, trace=trace, teacher=True)
     assert first_divergence(layer_report(trace, local), AGREE_LAYER) is None
     for layer in range(config.num_layers):  # k, v of the new tokens landed where the reference puts them
         a, b = kv.layer_view(layer).clone(), before.layer_view(layer).clone()
@@ -129,6 +134,52 @@ def test_an_sm_holding_a_claimed_task_that_waits_on_a_later_one_deadlocks(small)
         check_schedule(config, schedule.plan, schedule.tasks, schedule.sm_offsets, schedule.queue_offsets)
     with pytest.raises(RuntimeError, match=r"deadlock: SMs \[0\] wait forever"):
         run_schedule(config, weights, schedule, TOKENS, [c - 1 for c in CONTEXTS], tables, kv)
+
+
+def test_a_reader_of_a_layers_input_runs_once_every_block_of_it_is_complete():
+    # SM 0 completes the first of layer 1's two input blocks, then reaches its QKV tile, which
+    # waits on both; SM 1 completes the second. The QKV tile runs last.
+    schedule = hand_made([[(Opcode.OPROJ, 0, 0, -1, 0, 0), (Opcode.QKV, 1, 0, 0, 1, 2)],
+                          [(Opcode.OPROJ, 0, 1, -1, 0, 1)]])
+    assert schedule.wait_spans().tolist() == [0, 2, 0]
+    assert execution_order(schedule) == [(0, 0), (1, 2), (0, 1)]
+    schedule.tasks["signal"][2] = -1  # the second block is never complete
+    with pytest.raises(RuntimeError, match=r"deadlock: SMs \[0\] wait forever"):
+        execution_order(schedule)
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3])
+def test_qkv_and_router_scale_by_the_rms_after_the_gemv_up_to_two_rows(small, batch):
+    """Up to POST_SCALED_MAX_BATCH rows: bf16(rms_b * (g_b . w)), g = bf16(x * norm); past
+    that the normed input's bf16(h_b . w), h = bf16(bf16(x * rms_b) * norm). The two differ."""
+    config, weights = small
+    layer, contexts = 4, CONTEXTS[-batch:]  # a full-attention layer: no RoPE on its q
+    assert not config.rope_layers[layer] and config.mlp_types[layer] != "dense"
+    s = Schedule(config, 7, contexts)
+    kv, tables = cache(config, contexts)
+    step = _Step(config, weights, s.plan, TOKENS[-batch:], [c - 1 for c in contexts], tables, kv)
+    gen = torch.Generator().manual_seed(5)
+    step.resid[layer % 3] = 3 * torch.randn(batch, config.hidden_size, generator=gen) + 1  # rms far from 1
+    for t in s.tasks[((s.tasks["op"] == Opcode.QKV) | (s.tasks["op"] == Opcode.ROUTER)) & (s.tasks["layer"] == layer)]:
+        step.run(t)
+
+    lw = weights.layers[layer]
+    x = rb(step.resid[layer % 3])
+    rms = torch.rsqrt(x.pow(2).mean(-1) + config.norm_eps)[:, None]
+    g, h = rb(x * lw.norm.float()), rb(rb(x * rms) * lw.norm.float())
+
+    def tiled(w: torch.Tensor, rows: int, formula) -> torch.Tensor:  # as the tasks cut it
+        return torch.cat([formula(w[r0:r0 + rows].float()) for r0 in range(0, len(w), rows)], dim=1)
+
+    post = lambda w: rb(rms * (g @ w.T))  # noqa: E731
+    pre = lambda w: rb(h @ w.T)  # noqa: E731
+    q = {f: tiled(lw.qkv, s.plan["qkv_rows"], f)[:, :config.q_size] for f in (post, pre)}
+    logits = {f: tiled(lw.router, s.plan["router_rows"], f) for f in (post, pre)}
+    assert not torch.equal(q[post], q[pre]) and not torch.equal(logits[post], logits[pre])
+    expected = post if batch <= POST_SCALED_MAX_BATCH else pre
+    assert torch.equal(step.q, q[expected])
+    assert torch.equal(step.router_logits, logits[expected])
+    assert torch.equal(step.normed_image, h), "the ROUTER tiles write the exact normed image either way"
 
 
 def test_norm_and_router_tasks_are_the_planned_tiles(small):

@@ -14,9 +14,9 @@ from northmk.checkpoint_writer import config_dict
 from northmk.config import PAGE_SIZE, ModelConfig
 from northmk.megakernel import MegakernelTrace
 from northmk.megakernel_oracle import (LOGIT_NOISE, clear_argmax, expert_sum, first_divergence, layer_report,
-                                      reference_step, tie_band)
+                                      post_scaled, reference_step, tie_band)
 from northmk.model.kv import BatchLayout, PagedKVCache
-from northmk.model.reference import ReferenceModel, swiglu
+from northmk.model.reference import ReferenceModel, rms_norm, swiglu
 from northmk.model.weights import to_tiled
 
 
@@ -166,3 +166,22 @@ def test_an_argmax_two_bf16_spacings_ahead_is_a_tie():
     # The band scales with the top logit's binade, not the largest magnitude's.
     low = torch.tensor([0.75, 0.5, -20.0])
     assert tie_band(low) == pytest.approx(LOGIT_NOISE * 20.0 + 2 * 2.0**-8)
+
+
+def test_post_scaled_projections_apply_the_rms_to_the_gemvs_sums():
+    """Up to two rows the kernel's QKV and ROUTER tasks multiply bf16(x * norm) by the weights
+    and the fp32 sums by each row's rms: within half a bf16 ulp of the exact product, and not
+    the normed input's GEMV (which rounds x * rms first) bit for bit."""
+    gen = torch.Generator().manual_seed(3)
+    x = (3 * torch.randn(2, 512, generator=gen)).to(torch.bfloat16)
+    norm = (1 + 0.2 * torch.randn(512, generator=gen)).to(torch.bfloat16)
+    w = torch.randn(256, 512, generator=gen).to(torch.bfloat16)
+    got = post_scaled(x, norm, w, 1e-6)
+    xd = x.double()
+    exact = torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * ((xd * norm.double()).to(torch.bfloat16).double()
+                                                                    @ w.double().T)
+    ulp = 2.0 ** (torch.floor(torch.log2(exact.abs())) - 7)
+    assert ((got.double() - exact).abs() <= 0.5 * ulp + 1e-4 * exact.abs()).all()
+    normed = (rms_norm(x, norm, 1e-6).float() @ w.float().T).to(torch.bfloat16)
+    assert not torch.equal(got, normed)
+    assert torch.nn.functional.cosine_similarity(got.float(), normed.float(), dim=-1).min() > 0.9999

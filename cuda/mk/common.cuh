@@ -221,11 +221,8 @@ constexpr int kMaxGemvItems = 32;  // (16-row tile, k part) work items of one GE
 
 struct Kept {
     int normed;  // whose normed input sits at offset 0: a layer, num_layers for the final norm, -1 none
-    // The staged input's sums of squares, per warp and row; NormedStaging's threads arrive on
-    // ss_ready (kThreads arrivals, one phase per staged GEMV) once their warp's are written (each
-    // writer's own arrival releases its store).
+    // The staged input's sums of squares, per warp and row (stage_normed's, NormedStaging's).
     float ss_part[kWarps][NMK_MK_MAX_BATCH];
-    uint64_t ss_ready;
     uint32_t claimed;             // the drain's claimed task (vm.cuh): its index and descriptor
     nmk_task claimed_task;
     int seen;             // a counter this CTA has seen reach seen_target this step (vm.cuh's wait), -1 none
@@ -234,10 +231,11 @@ struct Kept {
     // on image_empty once it is done with the image; image_uses counts the copies.
     uint64_t image_full, image_empty;
     uint32_t image_uses;
-    // NormedStaging's arrivals, one phase per staged GEMV (kThreads arrivals); staged_uses
-    // counts the phases.
-    uint64_t staged;
-    uint32_t staged_uses;
+    // NormedStaging's arrivals, one phase per staged GEMV (kThreads arrivals), staged_uses
+    // counting them; gemv_blocks's, one barrier per column block (32 arrivals: its stager
+    // warp's), one phase each per such GEMV, block_uses counting them.
+    uint64_t staged, block_staged[kWarps];
+    uint32_t staged_uses, block_uses;
     // The layer's mlp slots' experts (op_mlp's slot_expert_of), loaded by the CTA's first
     // GATE_UP or DOWN task of the layer; slots_layer: whose they are, -1 none.
     int slots_layer;
@@ -256,10 +254,10 @@ __device__ __forceinline__ void kept_init(char *smem) {
     mbar_init(&k.image_full, 1);
     mbar_init(&k.image_empty, kThreads);
     mbar_init(&k.staged, kThreads);
-    mbar_init(&k.ss_ready, kThreads);
+    for (int b = 0; b < kWarps; b++) mbar_init(&k.block_staged[b], 32);
     mbar_init_fence();
     k.image_uses = 0;
-    k.staged_uses = 0;
+    k.staged_uses = 0, k.block_uses = 0;
 }
 
 // A GEMV input that its producers wrote in global memory in its shared-memory image (in_offset),
@@ -354,15 +352,16 @@ __device__ __forceinline__ void chunk_squares(const Params &p, int tag, float4 (
     }
 }
 
-// The warp's sums of squares of each row into Kept::ss_part. The B rows' sums share the
+// The warp's sums of squares of each row into Kept::ss_part[slot] (the warp's own, or the column
+// block it staged: gemv_blocks). The B rows' sums share the
 // shuffles: each round of the first log2(P) (P: B rounded up to a power of two) halves the
 // values a lane holds, a lane keeping the half its bit selects and adding its partner's (P - 1
 // shuffles in all, not 5 B), so that lane l ends with row (l >> (5 - log2 P)) % P's sum over
 // the lanes that share those bits; the last rounds add over the remaining bits.
 template <int B>
-__device__ __forceinline__ void warp_squares(char *smem, const float (&ss)[B]) {
+__device__ __forceinline__ void warp_squares(char *smem, const float (&ss)[B], int slot = threadIdx.x >> 5) {
     constexpr int P = B <= 1 ? 1 : B <= 2 ? 2 : B <= 4 ? 4 : 8;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int lane = threadIdx.x & 31;
     float v[P];
 #pragma unroll
     for (int r = 0; r < P; r++) v[r] = r < B ? ss[r] : 0.f;
@@ -379,7 +378,7 @@ __device__ __forceinline__ void warp_squares(char *smem, const float (&ss)[B]) {
 #pragma unroll
     for (; o >= 1; o /= 2) v[0] += __shfl_xor_sync(0xffffffffu, v[0], o);
     const int row = (lane >> (5 - (P == 8 ? 3 : P == 4 ? 2 : P == 2 ? 1 : 0))) % P;
-    if (row < B && (lane & (32 / P - 1)) == 0) kept(smem).ss_part[warp][row] = v[0];
+    if (row < B && (lane & (32 / P - 1)) == 0) kept(smem).ss_part[slot][row] = v[0];
 }
 
 // Each row's rms from the warps' sums of squares (in warp order).
@@ -438,13 +437,23 @@ __device__ __forceinline__ void stage_normed(char *smem, const Params &p, const 
     if (threadIdx.x == 0) k.normed = tag;  // every thread read it above, before the barrier
 }
 
-// A GEMV's normed input (stage_normed's values) staged by the CTA's threads around their first
-// weight burst, with no CTA barrier (a Stage for TileDotT): load() issues the thread's loads (its
-// first chunk of x and of the norm's weight) before the burst's; finish(), once the burst is
-// issued, sums the chunk's squares, publishes the warp's sums (Kept::ss_part, ss_ready), waits
-// for every warp's, then normalizes and stores the chunk (loading any further chunks then), and
-// arrives on Kept::staged. Every warp waits for all kThreads arrivals before its first mma. The
-// staging's loads go first: queued behind a burst's 64 KB they would come back with it.
+// Up to kStagedMaxBatch rows, QKV and the router read their input scaled after the GEMV: the
+// staged input is bf16(x * weight), x the residual's sums rounded to bf16, and the GEMV's outputs
+// are multiplied by each row's rms (rms_of, from the stagers' sums of squares) before they are
+// rounded. So no staging waits for the whole row: each chunk of the input is staged as soon as
+// its column block is complete (a counter per NMK_MK_BLOCK_COLS columns), and where each warp's
+// share of the GEMV is the block it stages (gemv's own-part case: hidden = 2048) the warp goes
+// on alone, while other blocks are still being written (the tasks run in the previous layer's
+// tail: schedule builder).
+//
+// The staging by the CTA's threads around their first weight burst, with no CTA barrier (a
+// Stage for TileDotT): load() waits for the thread's first chunk's block (lane 0 polls, then
+// each lane's own acquire: a warp's 32 chunks are one block) and issues its loads, after the
+// burst's; finish() rounds, sums the squares, stores the chunk (waiting for and loading any
+// further chunks then), writes the warp's sums of squares (Kept::ss_part), keeps the rounded x
+// and weight of chunks [stash0, stash1) in `stash` (the router's share of the exact normed
+// image, written once the rms is known), and arrives on Kept::staged; gemv's warps wait for all
+// kThreads arrivals before their first mma unless each reads only its own chunks.
 template <int B>
 struct NormedStaging {
     static constexpr bool kActive = true;
@@ -452,43 +461,69 @@ struct NormedStaging {
     char *smem;
     const bf16 *weight;
     int tag;
-    uint32_t parity;  // of this staging's phase of Kept::ss_ready
-    // The task's own wait (vm.cuh's run_one leaves it to the staging), or none: load() then waits
-    // until *counter reaches target first, and the GEMV issues its first burst before load().
-    const uint32_t *counter = nullptr;
+    const uint32_t *counter = nullptr;  // the input's first block counter, or none (complete)
     uint32_t target = 0;
+    uint4 *stash = nullptr;  // [stash1 - stash0][B + 1]: each chunk's rounded x rows, then its weight
+    int stash0 = 0, stash1 = 0;
     // what load() issued (zeroed: read only where loaded, which ptxas cannot see)
     float4 xa[B] = {}, xb[B] = {};
     uint4 w = {};
 
     __device__ __forceinline__ bool waits() const { return counter != nullptr; }
 
+    __device__ __forceinline__ void wait_block(int c) const {
+        if (!counter) return;
+        const uint32_t *block = counter + c * 8 / NMK_MK_BLOCK_COLS;
+        if ((threadIdx.x & 31) == 0)
+            while (load_acquire(block) < target) __nanosleep(20);
+        __syncwarp();
+        (void)load_acquire(block);
+    }
+
+    __device__ __forceinline__ void load_chunk(int c) {
+        wait_block(c);
+        load_x_chunk<B>(*p, tag, c, xa, xb);
+        w = reinterpret_cast<const uint4 *>(weight)[c];
+    }
+
     __device__ __forceinline__ void load() {
-        const int lane = threadIdx.x & 31;
-        if (counter) {  // lane 0 polls; then each thread's own acquire (it reads what the layer wrote)
-            if (lane == 0)
-                while (load_acquire(counter) < target) __nanosleep(20);
-            __syncwarp();
-            (void)load_acquire(counter);
-        }
-        if (threadIdx.x < p->hidden / 8) {
-            load_x_chunk<B>(*p, tag, threadIdx.x, xa, xb);
-            w = reinterpret_cast<const uint4 *>(weight)[threadIdx.x];
-        }
+        if (threadIdx.x < p->hidden / 8) load_chunk(threadIdx.x);
     }
 
     __device__ __forceinline__ void finish() {
         Kept &k = kept(smem);
-        float ss[B], rms[B];
-        chunk_squares<B>(*p, tag, xa, xb, ss);
+        const int chunks = p->hidden / 8;
+        bf16 *dst = reinterpret_cast<bf16 *>(smem);
+        float ss[B] = {};
+        float wf[8];
+#pragma unroll 1
+        for (int c = threadIdx.x; c < chunks; c += kThreads) {
+            if (c != threadIdx.x) load_chunk(c);
+            unpack8(w, wf);
+            const bool kept_here = c >= stash0 && c < stash1;
+#pragma unroll
+            for (int r = 0; r < B; r++) {
+                const float4 u = round_bf16(xa[r]), v = round_bf16(xb[r]);
+                ss[r] += u.x * u.x + u.y * u.y + u.z * u.z + u.w * u.w + v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+                const float x[8] = {u.x, u.y, u.z, u.w, v.x, v.y, v.z, v.w};
+                uint4 out;
+                uint32_t *o = reinterpret_cast<uint32_t *>(&out);
+#pragma unroll
+                for (int j = 0; j < 4; j++) o[j] = pack_bf16(x[2 * j] * wf[2 * j], x[2 * j + 1] * wf[2 * j + 1]);
+                store_in_chunk(dst, r, c, out);
+                if (kept_here) {
+                    uint4 xr;
+                    uint32_t *q = reinterpret_cast<uint32_t *>(&xr);
+#pragma unroll
+                    for (int j = 0; j < 4; j++) q[j] = pack_bf16(x[2 * j], x[2 * j + 1]);  // exact: x is bf16
+                    stash[(c - stash0) * (B + 1) + r] = xr;
+                }
+            }
+            if (kept_here) stash[(c - stash0) * (B + 1) + B] = w;
+        }
         warp_squares<B>(smem, ss);
-        mbar_arrive(&k.ss_ready);
-        mbar_wait(&k.ss_ready, parity);
-        rms_of<B>(smem, *p, rms);
-        store_normed_chunks<B>(smem, *p, tag, weight, xa, xb, w, rms);
-        // for a later wgmma reader of the input (a sparse GATE_UP of the layer on this CTA keeps it)
-        fence_proxy_async_shared();
         mbar_arrive(&k.staged);
+        __syncwarp();  // the warp's own reads of what its lanes staged
     }
 };
 struct NoStaging {
@@ -714,6 +749,10 @@ __device__ __forceinline__ void gemv(Row row, int n_rows, const bf16 *in, int K,
     const int ks = wg ? k_parts(tiles / 4, 4, 2, steps) : k_parts(tiles, 1, kWarps, steps);
     const int units = (wg ? tiles / 4 : tiles) * ks, first = wg ? warp / 4 : warp, stride = wg ? 2 : kWarps;
     const uint32_t in_addr = smem_u32(in);
+    // A staging of one chunk a thread (K = 8 kThreads) whose warps' parts are their own chunks: a
+    // warp reads only what it staged, and need not wait for the others.
+    if constexpr (Dot::kStaged)
+        if (!wg && ks == kWarps && K == 8 * kThreads) dot.ready = nullptr;
 #pragma unroll 1
     for (int u = first; u < units; u += stride) {
         const int tile = wg ? u / ks * 4 + warp % 4 : u / ks, part = u % ks, item = tile * ks + part, r = tile * 16 + g;
@@ -759,30 +798,134 @@ __device__ __forceinline__ void gemv(Row row, int n_rows, const bf16 *in, int K,
 // Up to this batch size a GEMV over a layer's normed input stages it while the warps' first
 // weight bursts are in flight (gemv_normed); past it the staging's registers beside a burst's
 // would crowd the kernel.
-constexpr int kStagedMaxBatch = 2;
+constexpr int kStagedMaxBatch = NMK_MK_POST_SCALED_MAX_BATCH;
 
-// gemv over the normed input of `tag` (stage_normed's, with the norm's weight), at smem offset 0
-// (`in`). Up to kStagedMaxBatch rows it is staged under the first bursts even when the CTA's last
-// staging was the same (one copy of the GEMV's code instead of two). Ends with a barrier.
-//
-// With `counter` (up to kStagedMaxBatch rows; vm.cuh's run_one then does not wait), the task's
-// wait for counter >= target happens in the staging, after each warp's first weight burst is
-// issued: the burst's round trip overlaps the wait.
+// gemv_normed's staged GEMV where the input is kWarps column blocks (hidden = 2048): its
+// (16-row tile, block) items go to the warps in block order (item i = block * tiles + tile, warp
+// i % kWarps, in turn), so that the blocks completed last are each warp's last item and a warp
+// holds that item's weights (issued before it waits) when they complete. A block's first item's
+// warp stages it (NormedStaging's form: bf16(x * weight), its sums of squares in
+// Kept::ss_part[block]) once its counter is complete, and arrives on Kept::block_staged[block];
+// the block's other items wait for that. Partial sums per (tile, block) in `red`, added in block
+// order into out. Ends with a barrier.
+template <int B, class Row>
+__device__ __forceinline__ void gemv_blocks(char *smem, const Params &p, const bf16 *weight, int tag, Row row,
+                                            int n_rows, bf16 *in, float *out, float *red, const uint32_t *counter,
+                                            uint32_t target, uint4 *stash, int stash0, int stash1) {
+    Kept &k = kept(smem);
+    const uint32_t parity = k.block_uses & 1;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int tiles = (n_rows + 15) / 16, items = tiles * kWarps;
+    const uint32_t lane_addr = in_lane_addr(smem_u32(in));
+#pragma unroll 1
+    for (int i = warp; i < items; i += kWarps) {
+        const int blk = i / tiles, tile = i % tiles, ka = blk * NMK_MK_BLOCK_COLS;
+        const bf16 *lo = row(tile * 16) + 8 * lane, *hi = lo + 256;
+        uint4 wl[kStepsInFlight], wh[kStepsInFlight];
+#pragma unroll
+        for (int j = 0; j < kStepsInFlight; j++) {
+            wl[j] = load_weight<true>(lo + 16 * (ka + 32 * j));
+            wh[j] = load_weight<true>(hi + 16 * (ka + 32 * j));
+        }
+        if (tile == 0) {
+            // stage the block: lane l its chunk 32 blk + l (NormedStaging's load and finish)
+            NormedStaging<B> st{&p, smem, weight, tag, counter, target, stash, stash0, stash1};
+            const int c = blk * 32 + lane;
+            st.load_chunk(c);
+            float wf[8], ss[B] = {};
+            unpack8(st.w, wf);
+            bf16 *dst = reinterpret_cast<bf16 *>(smem);
+#pragma unroll
+            for (int r = 0; r < B; r++) {
+                const float4 u = round_bf16(st.xa[r]), v = round_bf16(st.xb[r]);
+                ss[r] = u.x * u.x + u.y * u.y + u.z * u.z + u.w * u.w + v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+                const float x[8] = {u.x, u.y, u.z, u.w, v.x, v.y, v.z, v.w};
+                uint4 o4, xr;
+                uint32_t *o = reinterpret_cast<uint32_t *>(&o4), *q = reinterpret_cast<uint32_t *>(&xr);
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    o[j] = pack_bf16(x[2 * j] * wf[2 * j], x[2 * j + 1] * wf[2 * j + 1]);
+                    q[j] = pack_bf16(x[2 * j], x[2 * j + 1]);  // exact: x is bf16
+                }
+                store_in_chunk(dst, r, c, o4);
+                if (c >= stash0 && c < stash1) stash[(c - stash0) * (B + 1) + r] = xr;
+            }
+            if (c >= stash0 && c < stash1) stash[(c - stash0) * (B + 1) + B] = st.w;
+            warp_squares<B>(smem, ss, blk);
+            mbar_arrive(&k.block_staged[blk]);
+            __syncwarp();  // the warp's own reads of what its lanes staged
+        } else {
+            mbar_wait(&k.block_staged[blk], parity);
+        }
+        float acc[kChains][4] = {};
+#pragma unroll
+        for (int j = 0; j < kStepsInFlight; j++)
+            mma_k32(acc[j % kChains], wl[j], wh[j], load_in_k32(lane_addr, ka + 32 * j));
+        float c4[4];
+#pragma unroll
+        for (int v = 0; v < 4; v++) c4[v] = acc[0][v] + acc[1][v];
+        float *dst = red + (tile * kWarps + blk) * 128;
+        *reinterpret_cast<float2 *>(dst + g * 8 + 2 * t) = make_float2(c4[0], c4[1]);
+        *reinterpret_cast<float2 *>(dst + (g + 8) * 8 + 2 * t) = make_float2(c4[2], c4[3]);
+    }
+    __syncthreads();
+#pragma unroll 1
+    for (int i = threadIdx.x; i < tiles * 128; i += kThreads) {  // the blocks' sums in block order
+        const float *src = red + i / 128 * kWarps * 128 + i % 128;
+        float v[kWarps];
+#pragma unroll
+        for (int b = 0; b < kWarps; b++) v[b] = src[b * 128];
+        float sum = 0.f;
+#pragma unroll
+        for (int b = 0; b < kWarps; b++) sum += v[b];
+        out[i] = sum;
+    }
+    __syncthreads();
+}
+
+// gemv over the input of `tag` with the norm's weight, at smem offset 0 (`in`). Up to
+// kStagedMaxBatch rows, scaled after the GEMV (NormedStaging: the caller multiplies each output
+// by post_rms's rms), its chunks waiting on the input's block counters from `counter` (to
+// target; none: the input is complete), `stash` keeping chunks [stash0, stash1) (NormedStaging);
+// past that, stage_normed's normed input (the task waited for the whole input). Ends with a barrier.
 template <int B, class Row>
 __device__ __forceinline__ void gemv_normed(char *smem, const Params &p, const bf16 *weight, int tag, Row row,
                                             int n_rows, bf16 *in, int K, float *out, float *red,
-                                            const uint32_t *counter = nullptr, uint32_t target = 0) {
+                                            const uint32_t *counter = nullptr, uint32_t target = 0,
+                                            uint4 *stash = nullptr, int stash0 = 0, int stash1 = 0) {
     Kept &k = kept(smem);
     if constexpr (B <= kStagedMaxBatch) {
-        const uint32_t parity = k.staged_uses & 1;
-        const TileDotT<true, NormedStaging<B>> dot{&k.staged, parity, {&p, smem, weight, tag, parity, counter, target}};
-        gemv(row, n_rows, in, K, out, red, dot);
-        if (threadIdx.x == 0) k.normed = tag, k.staged_uses++;  // every thread read the count before gemv's barrier
+        if (K == kWarps * NMK_MK_BLOCK_COLS && (n_rows + 15) / 16 * kWarps <= kMaxGemvItems) {
+            gemv_blocks<B>(smem, p, weight, tag, row, n_rows, in, out, red, counter, target, stash, stash0, stash1);
+            if (threadIdx.x == 0) k.block_uses++;  // every thread read the count before gemv_blocks's last barrier
+        } else {
+            const uint32_t parity = k.staged_uses & 1;
+            const TileDotT<true, NormedStaging<B>> dot{
+                &k.staged, parity, {&p, smem, weight, tag, counter, target, stash, stash0, stash1}};
+            gemv(row, n_rows, in, K, out, red, dot);
+            if (threadIdx.x == 0) k.staged_uses++;  // every thread read the count before gemv's barrier
+        }
+        if (threadIdx.x == 0) k.normed = -1;
     } else {
         stage_normed<B>(smem, p, weight, tag);
         gemv(row, n_rows, in, K, out, red);
     }
 }
+
+// The factor of a gemv_normed output of batch row b: its rms up to kStagedMaxBatch rows (the
+// stagers' sums of squares, past gemv's barrier), 1 past that (the input was normed).
+template <int B>
+struct PostRms {
+    float rms[B <= kStagedMaxBatch ? B : 1];
+    __device__ __forceinline__ PostRms(char *smem, const Params &p) {
+        if constexpr (B <= kStagedMaxBatch) rms_of<B>(smem, p, rms);
+        else rms[0] = 1.f;
+    }
+    __device__ __forceinline__ float operator()(int b) const {
+        if constexpr (B == 2) return b ? rms[1] : rms[0];
+        return rms[0];
+    }
+};
 
 // Shared-memory carve-up of a GEMV task: input, output, split-K partials, then `extra` bytes
 // (at most kGemvExtraBytes). The widest fits in a task's scratch.

@@ -7,7 +7,7 @@
 namespace nmk::mk {
 
 template <int B>
-__device__ void run_qkv(const Params &p, int layer, int tile, char *smem) {
+__device__ void run_qkv(const Params &p, int layer, int tile, char *smem, const uint32_t *counter, uint32_t target) {
     const Layer &L = p.layers[layer];
     const int H = p.hidden, Q = p.num_heads * kHeadDim, KV = p.num_kv_heads * kHeadDim;
     const int rows = p.plan.qkv_rows, r0 = tile * rows, n = min(rows, Q + 2 * KV - r0);
@@ -16,12 +16,14 @@ __device__ void run_qkv(const Params &p, int layer, int tile, char *smem) {
     int *page = reinterpret_cast<int *>(s.extra);
     if (r0 + n > Q && threadIdx.x < B) page[threadIdx.x] = kv_page(p, L.group, threadIdx.x, p.positions[threadIdx.x]);
     const bf16 *W = L.qkv + (size_t)r0 * H;
-    gemv_normed<B>(smem, p, L.norm, layer, [&](int r) { return W + (size_t)r * H; }, n, s.in, H, s.out, s.red);
+    gemv_normed<B>(smem, p, L.norm, layer, [&](int r) { return W + (size_t)r * H; }, n, s.in, H, s.out, s.red, counter,
+                   target);
+    const PostRms<B> rms(smem, p);
     // One thread per (row b, pair of adjacent outputs); r0 and rows are even.
 #pragma unroll 1
     for (int i = threadIdx.x; i < B * n / 2; i += kThreads) {
         int b = i / (n / 2), r = r0 + 2 * (i % (n / 2));
-        float v0 = round_bf16(s.out[(r - r0) * 8 + b]), v1 = round_bf16(s.out[(r - r0 + 1) * 8 + b]);
+        float v0 = round_bf16(s.out[(r - r0) * 8 + b] * rms(b)), v1 = round_bf16(s.out[(r - r0 + 1) * 8 + b] * rms(b));
         int pos = p.positions[b];
         if (L.rope && r < Q + KV) {
             int d = r % kHeadDim;  // even: the pair (d, d + 1)

@@ -1,5 +1,6 @@
-// NMK_OP_ROUTER, tile x: router rows [x * router_rows, ...) -> router_logits (rounded to
-// bf16 as the reference rounds them). Each tile also writes its share of the layer's normed
+// NMK_OP_ROUTER, tile x: router rows [x * router_rows, ...) -> router_logits, rounded to bf16
+// (up to kStagedMaxBatch rows the GEMV's sums scaled by each row's rms first: gemv_normed,
+// northmk.h's task semantics v0.6). Each tile also writes its share of the layer's normed
 // input, as a GEMV image, to normed_image, which the sparse GATE_UP tasks stage by one bulk
 // copy. The last tile to finish routes the layer from all the logits (top-k by raw logit,
 // ties to the lower id, weight = sigmoid(logit) with no renormalization, picks in ascending
@@ -118,12 +119,44 @@ __device__ void run_router(const Params &p, int layer, int tile, char *smem, con
     const int H = p.hidden, E = p.num_experts, r0 = tile * p.plan.router_rows;
     const int n = min(p.plan.router_rows, E - r0);
     GemvSmem s(smem, H, p.plan.router_rows);
-    const bf16 *W = p.layers[layer].router + (size_t)r0 * H;
-    gemv_normed<B>(smem, p, p.layers[layer].norm, layer, [&](int r) { return W + (size_t)r * H; }, n, s.in, H, s.out,
-                   s.red, counter, target);
-    {  // this tile's share of the image: whole 32-wide k blocks
-        const int blocks = H / 32, b0 = tile * blocks / p.plan.router_tiles;
-        const int b1 = (tile + 1) * blocks / p.plan.router_tiles;
+    const bf16 *W = p.layers[layer].router + (size_t)r0 * H, *norm = p.layers[layer].norm;
+    // This tile's share of the image: whole 32-wide k blocks, chunks [c0, c1) of 8 columns.
+    const int blocks = H / 32, b0 = tile * blocks / p.plan.router_tiles;
+    const int b1 = (tile + 1) * blocks / p.plan.router_tiles, c0 = 4 * b0, c1 = 4 * b1;
+    // Up to kStagedMaxBatch rows the staged input is not the normed one (gemv_normed): the staging
+    // keeps the share's rounded x and norm weight past `last` in the task's extra bytes, where
+    // they fit, and the image is normed from them once the rms is known.
+    uint4 *stash = reinterpret_cast<uint4 *>(s.extra + 16);
+    const bool stashed = (c1 - c0) * (B + 1) * 16 + 16 <= kGemvExtraBytes;
+    gemv_normed<B>(smem, p, norm, layer, [&](int r) { return W + (size_t)r * H; }, n, s.in, H, s.out, s.red, counter,
+                   target, stash, stashed ? c0 : 0, stashed ? c1 : 0);
+    const PostRms<B> rms(smem, p);
+    if constexpr (B <= kStagedMaxBatch) {
+        // bf16(round(x * rms) * weight), the roundings of the reference's RMSNorm (store_normed_chunk)
+#pragma unroll 1
+        for (int i = threadIdx.x; i < (c1 - c0) * B; i += kThreads) {
+            const int c = c0 + i / B, b = i % B;
+            float x[8], wf[8];
+            if (stashed) {
+                unpack8(stash[(i / B) * (B + 1) + b], x);
+                unpack8(stash[(i / B) * (B + 1) + B], wf);
+            } else {
+                const float4 *row = reinterpret_cast<const float4 *>(resid_of(p, layer) + (size_t)b * H) + 2 * c;
+                const float4 u = round_bf16(load_l2(row)), v = round_bf16(load_l2(row + 1));
+                const float y[8] = {u.x, u.y, u.z, u.w, v.x, v.y, v.z, v.w};
+#pragma unroll
+                for (int j = 0; j < 8; j++) x[j] = y[j];
+                unpack8(reinterpret_cast<const uint4 *>(norm)[c], wf);
+            }
+            uint4 out;
+            uint32_t *o = reinterpret_cast<uint32_t *>(&out);
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+                o[j] = pack_bf16(round_bf16(x[2 * j] * rms(b)) * wf[2 * j],
+                                 round_bf16(x[2 * j + 1] * rms(b)) * wf[2 * j + 1]);
+            store_in_chunk(p.normed_image, b, c, out);
+        }
+    } else {  // the staged input is the normed one: copy the share
         const uint4 *src = reinterpret_cast<const uint4 *>(smem + b0 * kInBlockBytes);
         uint4 *dst = reinterpret_cast<uint4 *>(reinterpret_cast<char *>(p.normed_image) + b0 * kInBlockBytes);
 #pragma unroll 1
@@ -131,7 +164,7 @@ __device__ void run_router(const Params &p, int layer, int tile, char *smem, con
     }
 #pragma unroll 1
     for (int i = threadIdx.x; i < n * B; i += kThreads)
-        p.router_logits[(i % B) * E + r0 + i / B] = round_bf16(s.out[(i / B) * 8 + i % B]);
+        p.router_logits[(i % B) * E + r0 + i / B] = round_bf16(s.out[(i / B) * 8 + i % B] * rms(i % B));
     // The layer's last tile to finish routes it.
     int &last = *reinterpret_cast<int *>(s.extra);
     __syncthreads();

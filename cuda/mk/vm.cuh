@@ -33,12 +33,26 @@ __device__ __forceinline__ void signal(uint32_t *counter) {
     if (threadIdx.x == 0) red_release(counter, 1u);
 }
 
-// Tasks that wait for their input themselves, after their first weight burst is issued
-// (gemv_normed): the layer's router tiles up to kStagedMaxBatch rows. (QKV's tiles the same
-// measured no faster: benchmarks/NOTES.md, session 30.)
+// Waits until counters c .. c + n - 1 (n <= 32) all reach target: thread i polls counter c + i
+// with acquire loads, then a barrier. A layer's input has a counter per column block.
+__device__ __forceinline__ void wait_for_blocks(const Params &p, int c, int n, uint32_t target) {
+    if (threadIdx.x < n)  // lane i of warp 0 polls counter c + i: the n acquires at once
+        while (load_acquire(p.counters + c + threadIdx.x) < target) __nanosleep(20);
+    __syncthreads();
+}
+
+// Tasks that read a layer's input (or the last layer's output, the LM head) wait on its column
+// blocks' counters, from t.wait (task semantics v0.6; the schedule's block_waiter).
+__device__ __forceinline__ bool waits_for_blocks(const Params &p, const nmk_task &t) {
+    return t.op == NMK_OP_QKV || t.op == NMK_OP_ROUTER || t.op == NMK_OP_LM_HEAD ||
+           (t.op == NMK_OP_GATE_UP && p.layers[t.layer].dense);
+}
+
+// Tasks that wait for their input themselves, each chunk for its block, after their first weight
+// burst is issued (gemv_normed): QKV and ROUTER tiles up to kStagedMaxBatch rows.
 template <int B>
 __device__ __forceinline__ bool own_wait(const nmk_task &t) {
-    return B <= kStagedMaxBatch && t.wait >= 0 && t.op == NMK_OP_ROUTER;
+    return B <= kStagedMaxBatch && t.wait >= 0 && (t.op == NMK_OP_ROUTER || t.op == NMK_OP_QKV);
 }
 
 template <int B>
@@ -50,7 +64,8 @@ __device__ __forceinline__ void run_task(const Params &p, const nmk_task &t, cha
         kept(smem).normed = -1;
     switch (t.op) {
         case NMK_OP_NORM: return run_norm<B>(p, t.x, smem);
-        case NMK_OP_QKV: return run_qkv<B>(p, t.layer, t.x, smem);
+        case NMK_OP_QKV:
+            return run_qkv<B>(p, t.layer, t.x, smem, own_wait<B>(t) ? p.counters + t.wait : nullptr, t.target);
         case NMK_OP_ROUTER:
             return run_router<B>(p, t.layer, t.x, smem, own_wait<B>(t) ? p.counters + t.wait : nullptr, t.target);
         case NMK_OP_ATTN: return run_attention(p, t.layer, t.x, t.y, t.z & 0xff, t.z >> 8, smem);
@@ -86,7 +101,10 @@ __device__ __forceinline__ void run_one(const Params &p, uint32_t i, const nmk_t
                                         Fetch fetch) {
     const bool timed = p.timing && i < p.timing_capacity;
     uint64_t waited = timed ? global_ns() : 0;
-    if (t.wait >= 0 && !own_wait<B>(t)) wait_for(p, t.wait, t.target, smem);
+    if (t.wait >= 0 && !own_wait<B>(t)) {
+        if (waits_for_blocks(p, t)) wait_for_blocks(p, t.wait, p.hidden / NMK_MK_BLOCK_COLS, t.target);
+        else wait_for(p, t.wait, t.target, smem);
+    }
     uint64_t started = timed ? global_ns() : 0;
     run_task<B>(p, t, smem);
     claim();

@@ -33,6 +33,20 @@ struct Builder {
         return static_cast<int>(signallers.size()) - 1;
     }
 
+    // n consecutive counters; returns the first.
+    int counters(int n) {
+        int first = counter();
+        for (int i = 1; i < n; i++) counter();
+        return first;
+    }
+
+    // A wait on a group of block counters takes one target for all: each must have as many signallers.
+    void require_uniform(int first, int n) const {
+        for (int i = 1; i < n; i++)
+            if (signallers[first + i] != signallers[first])
+                throw std::logic_error("the column blocks of a layer's input have different signaller counts");
+    }
+
     nmk_task task(uint8_t op, int layer, int x, int y, int z, int wait, int signal) {
         nmk_task t{op, static_cast<uint8_t>(layer), static_cast<uint16_t>(x), static_cast<uint16_t>(y),
                    static_cast<uint16_t>(z), wait, wait < 0 ? 0u : signallers[wait], signal};
@@ -93,27 +107,39 @@ int pages_per_split(const Geometry &g, const nmk_plan &p, int num_sms, const std
     return std::max(kMinSplitPages, ceil_div(work, std::max(1, share)));
 }
 
-// Adds layer l's tasks: NORM (layer 0 only), ROUTER and QKV tiles to the lists, then DRAIN of
-// the layer's queue, which gets its GATE_UP, ATTN, DOWN and OPROJ tasks. The ROUTER tiles come
-// first in the layer's turn of the lists: up to two rows they issue their weight burst before
-// they wait (vm.cuh's own_wait), so it lands while the previous layer's last tasks run (the
-// routing ~0.6 us sooner, batch 1 +1.3%; benchmarks/NOTES.md, session 31). Every wait of a
-// queue task is on list tasks before the DRAIN or on earlier tasks of the queue. Returns the
-// counter that says the layer's outputs are all added into the next layer's input.
-int add_layer(Builder &b, int l, int prev_done, const std::vector<int> &lens, int num_sms) {
+// Adds layer l's tasks. Its input's column blocks (kBlockCols hidden columns each) have a
+// counter each, `input` the first: layer 0's NORM tiles signal them, and from layer 1 on the
+// previous layer's o-proj and DOWN tiles, each the block its rows fall in. Layer 0's ROUTER and
+// QKV tiles go to the lists; a later layer's at the end of the previous layer's queue (after its
+// o-proj tiles), so that SMs free in that layer's tail take them while its last tiles run, and
+// up to kStagedMaxBatch rows they stream each block of their input as soon as its counter is
+// complete (the kernel's gemv_normed). The ROUTER tiles come before the QKV tiles: the routing
+// starts the expert phase. Then the DRAIN of the layer's queue, which gets its GATE_UP, ATTN,
+// DOWN and OPROJ tasks. Returns the first block counter of the next layer's input.
+int add_layer(Builder &b, int l, int input, const std::vector<int> &lens, int num_sms) {
     const Geometry &g = b.g;
     const nmk_plan &p = b.s.plan;
-    // Layer 0's input is the embedding (its NORM tiles); a later layer's is the previous one's
-    // sums, complete once its o-proj and DOWN tiles are done (Params::resid).
-    int normed = l == 0 ? b.counter() : prev_done, qkv = b.counter(), attn = b.counter();
-    int routed = g.dense[l] ? normed : b.counter();
-    int done = b.counter();
+    const int blocks = g.hidden / kBlockCols;
+    if (l == 0) {
+        input = b.counters(blocks);
+        for (int x = 0; x < p.norm_tiles; x++)
+            b.add(NMK_OP_NORM, l, x, 0, 0, -1, input + x * p.norm_cols / kBlockCols);
+    }
+    b.require_uniform(input, blocks);
+    int qkv = b.counter(), attn = b.counter();
+    int routed = g.dense[l] ? input : b.counter();
+    int next = b.counters(blocks);
 
-    if (l == 0)
-        for (int x = 0; x < p.norm_tiles; x++) b.add(NMK_OP_NORM, l, x, 0, 0, -1, normed);
-    if (!g.dense[l])
-        for (int x = 0; x < p.router_tiles; x++) b.add(NMK_OP_ROUTER, l, x, 0, 0, normed, routed);
-    for (int x = 0; x < qkv_tiles(g, p); x++) b.add(NMK_OP_QKV, l, x, 0, 0, normed, qkv);
+    if (l == 0) {
+        if (!g.dense[l])
+            for (int x = 0; x < p.router_tiles; x++) b.add(NMK_OP_ROUTER, l, x, 0, 0, input, routed);
+        for (int x = 0; x < qkv_tiles(g, p); x++) b.add(NMK_OP_QKV, l, x, 0, 0, input, qkv);
+    } else {
+        const int prev = static_cast<int>(b.s.queues.size()) - 1;
+        if (!g.dense[l])
+            for (int x = 0; x < p.router_tiles; x++) b.enqueue(prev, NMK_OP_ROUTER, l, x, 0, 0, input, routed);
+        for (int x = 0; x < qkv_tiles(g, p); x++) b.enqueue(prev, NMK_OP_QKV, l, x, 0, 0, input, qkv);
+    }
     int q = b.drain(l);
 
     // The attention splits go in after the first num_sms - splits expert tiles: the SMs that
@@ -138,10 +164,21 @@ int add_layer(Builder &b, int l, int prev_done, const std::vector<int> &lens, in
     b.enqueue(q, gate_up.cbegin(), gate_up.cbegin() + lead);
     b.enqueue(q, splits.cbegin(), splits.cend());
     b.enqueue(q, gate_up.cbegin() + lead, gate_up.cend());
+    const int down_rows = g.dense[l] ? p.dense_down_rows : p.moe_down_rows;
     for (int y = 0; y < mlp_slots(g, p, l); y++)
-        for (int x = 0; x < down_tiles(g, p, l); x++) b.enqueue(q, NMK_OP_DOWN, l, x, y, 0, slot_ready[y], done);
-    for (int x = 0; x < oproj_tiles(g, p); x++) b.enqueue(q, NMK_OP_OPROJ, l, x, 0, 0, attn, done);
-    return done;
+        for (int x = 0; x < down_tiles(g, p, l); x++)
+            b.enqueue(q, NMK_OP_DOWN, l, x, y, 0, slot_ready[y], next + x * down_rows / kBlockCols);
+    for (int x = 0; x < oproj_tiles(g, p); x++)
+        b.enqueue(q, NMK_OP_OPROJ, l, x, 0, 0, attn, next + x * p.oproj_rows / kBlockCols);
+    return next;
+}
+
+// Rows per tile of a stage whose tiles signal the column block their rows fall in: tile_for's,
+// rounded up to a power of two (at most kBlockCols), which divides the block.
+int block_tile(int units, int tasks, int max_tile) {
+    int tile = tile_for(units, tasks, max_tile), pow2 = kTile;
+    while (pow2 < tile) pow2 *= 2;
+    return std::min(pow2, std::min(max_tile, kBlockCols));
 }
 
 nmk_plan make_plan(const Geometry &g, int num_sms, const std::vector<int> &lens) {
@@ -153,13 +190,13 @@ nmk_plan make_plan(const Geometry &g, int num_sms, const std::vector<int> &lens)
     p.qkv_rows = tile_for((g.num_heads + 2 * g.num_kv_heads) * g.head_dim, num_sms, kMaxQkvRows);
     p.router_rows = kRouterRows;
     p.router_tiles = ceil_div(g.num_experts, kRouterRows);
-    p.oproj_rows = tile_for(g.hidden, num_sms, kMaxOprojRows);
+    p.oproj_rows = block_tile(g.hidden, num_sms, kMaxOprojRows);
     // Expert tiles for 1.5x the SMs: attention takes SMs while the expert phase runs, and the
     // tiles left for a second round are then small (batch 1: 32 columns, not 48).
     p.moe_cols = tile_for(p.expert_slots * g.moe_inter, num_sms * 3 / 2, kMaxCols);
-    p.moe_down_rows = tile_for(p.expert_slots * g.hidden, num_sms, kMaxMoeDownRows);
+    p.moe_down_rows = block_tile(p.expert_slots * g.hidden, num_sms, kMaxMoeDownRows);
     p.dense_cols = tile_for(g.dense_inter, num_sms, kMaxCols);
-    p.dense_down_rows = tile_for(g.hidden, num_sms, kMaxDenseDownRows);
+    p.dense_down_rows = block_tile(g.hidden, num_sms, kMaxDenseDownRows);
     p.lm_rows = tile_for(g.vocab, 4 * num_sms, kMaxLmRows);
     p.lm_tiles = ceil_div(g.vocab, p.lm_rows);
     return p;
@@ -236,6 +273,14 @@ FlatSchedule flatten(const Schedule &s) {
     return f;
 }
 
+bool block_waiter(const Geometry &g, int op, int layer) {
+    return op == NMK_OP_QKV || op == NMK_OP_ROUTER || op == NMK_OP_LM_HEAD ||
+           (op == NMK_OP_GATE_UP && layer < g.num_layers && g.dense[layer]);
+}
+int wait_span(const Geometry &g, const nmk_task &t) {
+    return t.wait < 0 ? 0 : block_waiter(g, t.op, t.layer) ? g.hidden / kBlockCols : 1;
+}
+
 int qkv_tiles(const Geometry &g, const nmk_plan &p) {
     return ceil_div((g.num_heads + 2 * g.num_kv_heads) * g.head_dim, p.qkv_rows);
 }
@@ -260,8 +305,9 @@ Schedule build(const Geometry &g, int num_sms, const std::vector<int> &context_l
 
     Builder b(g, num_sms);
     b.s.plan = make_plan(g, num_sms, context_lens);
-    int done = -1;
+    int done = -1;  // the first block counter of the LM head's input
     for (int l = 0; l < g.num_layers; l++) done = add_layer(b, l, done, context_lens, num_sms);
+    b.require_uniform(done, g.hidden / kBlockCols);
     int logits = b.counter();
     for (int x = 0; x < b.s.plan.lm_tiles; x++) b.add(NMK_OP_LM_HEAD, 0, x, 0, 0, done, logits);
     for (int r = 0; r < batch; r++) b.add(NMK_OP_ARGMAX, 0, r, 0, 0, logits, -1);

@@ -125,7 +125,7 @@ Expected expected_tasks(const Geometry &g, const nmk_plan &p, const std::map<Key
     return e;
 }
 
-void check_task_fields(const nmk_plan &p, const Entry &e) {
+void check_task_fields(const Geometry &g, const nmk_plan &p, const Entry &e) {
     const nmk_task &t = *e.t;
     if (t.op == NMK_OP_COMBINE)
         fail("retired opcode COMBINE (ATTN merges its splits since v0.3) in " + describe(e));
@@ -140,8 +140,10 @@ void check_task_fields(const nmk_plan &p, const Entry &e) {
         if (t.y || t.z || t.wait != -1 || t.target || t.signal != -1)
             fail("DRAIN must have y = z = 0, wait = -1, target = 0 and signal = -1: " + describe(e));
     }
-    if (t.wait < -1 || t.wait >= p.num_counters || t.signal < -1 || t.signal >= p.num_counters)
-        fail("counter out of range in " + describe(e));
+    if (t.wait < -1 || t.wait + std::max(1, wait_span(g, t)) > p.num_counters || t.signal < -1 ||
+        t.signal >= p.num_counters)
+        fail("counter out of range in " + describe(e) +
+             (wait_span(g, t) > 1 ? " (it waits on " + std::to_string(wait_span(g, t)) + " block counters)" : ""));
     if (t.op == NMK_OP_ATTN) {
         int n = t.z >> 8;
         if (n < 1 || n > p.max_splits || (t.z & 0xff) >= n) fail("bad attention split in " + describe(e));
@@ -149,12 +151,12 @@ void check_task_fields(const nmk_plan &p, const Entry &e) {
 }
 
 // Fields in range; well-formed DRAIN entries, exactly one per queue in every list.
-void check_fields(const nmk_plan &p, View &v) {
+void check_fields(const Geometry &g, const nmk_plan &p, View &v) {
     v.drain_at.assign(v.per_sm.size(), std::vector<int>(p.num_queues, -1));
     for (size_t s = 0; s < v.per_sm.size(); s++)
         for (size_t k = 0; k < v.per_sm[s].size(); k++) {
             const nmk_task &t = v.per_sm[s][k];
-            check_task_fields(p, {&t, false, int(s), int(k)});
+            check_task_fields(g, p, {&t, false, int(s), int(k)});
             if (t.op != NMK_OP_DRAIN) continue;
             int &at = v.drain_at[s][t.x];
             if (at >= 0)
@@ -168,7 +170,8 @@ void check_fields(const nmk_plan &p, View &v) {
                 fail("SM " + std::to_string(s) + "'s list has no DRAIN of queue " + std::to_string(q) +
                      "; every list holds one DRAIN per queue");
     for (size_t q = 0; q < v.queues.size(); q++)
-        for (size_t i = 0; i < v.queues[q].size(); i++) check_task_fields(p, {&v.queues[q][i], true, int(q), int(i)});
+        for (size_t i = 0; i < v.queues[q].size(); i++)
+            check_task_fields(g, p, {&v.queues[q][i], true, int(q), int(i)});
 }
 
 // Each expected task exactly once across lists and queues, nothing else.
@@ -192,10 +195,33 @@ void check_coverage(const Expected &e, const View &v) {
     }
 }
 
+// The counters a task waits on: wait_span of them from its wait.
+std::vector<int> waited(const Geometry &g, const nmk_task &t) {
+    std::vector<int> c(wait_span(g, t));
+    for (size_t i = 0; i < c.size(); i++) c[i] = t.wait + int(i);
+    return c;
+}
+
+// The hidden columns [lo, hi) of a layer's input (or the last layer's output) that a task
+// writes or adds into: NORM, OPROJ, DOWN tiles; none (lo = hi = 0) for the others.
+std::pair<int, int> input_columns(const Geometry &g, const nmk_plan &p, const nmk_task &t) {
+    int rows = t.op == NMK_OP_NORM    ? p.norm_cols
+               : t.op == NMK_OP_OPROJ ? p.oproj_rows
+               : t.op == NMK_OP_DOWN  ? (g.dense[t.layer] ? p.dense_down_rows : p.moe_down_rows)
+                                      : 0;
+    return {t.x * rows, std::min(g.hidden, (t.x + 1) * rows)};
+}
+
 // Counters: a wait must be for all of its signallers, and they must cover the stages the
-// waiting task reads (the slot's own GATE_UP tiles for a DOWN task).
-void check_counters(const Expected &e, const nmk_plan &p, const View &v, std::map<Stage, std::set<Stage>> &edges) {
+// waiting task reads (the slot's own GATE_UP tiles for a DOWN task). A block waiter's counters
+// each need the same number of signallers, and each is signalled by writers of the stages the
+// task reads, all of whose columns lie in its block: reading a block once its own counter is
+// complete then reads only finished sums (the kernel's QKV and ROUTER tiles up to
+// NMK_MK_POST_SCALED_MAX_BATCH rows do).
+void check_counters(const Geometry &g, const Expected &e, const nmk_plan &p, const View &v,
+                    std::map<Stage, std::set<Stage>> &edges) {
     std::vector<std::map<Key, int>> signallers(p.num_counters);
+    std::vector<std::vector<const Entry *>> signalled_by(p.num_counters);
     std::map<Key, int> stage_size;  // (op, layer, y or -1)
     for (const Entry &en : v.tasks) {
         const nmk_task &t = *en.t;
@@ -204,6 +230,7 @@ void check_counters(const Expected &e, const nmk_plan &p, const View &v, std::ma
         if (t.signal >= 0) {
             signallers[t.signal][{t.op, t.layer, -1, 0, 0}]++;
             signallers[t.signal][{t.op, t.layer, t.y, 0, 0}]++;
+            signalled_by[t.signal].push_back(&en);
         }
     }
     for (const Entry &en : v.tasks) {
@@ -213,20 +240,43 @@ void check_counters(const Expected &e, const nmk_plan &p, const View &v, std::ma
             if (!needed.empty()) fail("no wait, yet it reads earlier stages: " + describe(en));
             continue;
         }
-        uint32_t total = 0;
-        for (const auto &[stage, n] : signallers[t.wait])
-            if (std::get<2>(stage) == -1) total += n;
-        if (t.target != total) fail("target differs from the counter's signallers in " + describe(en));
+        const std::vector<int> counters = waited(g, t);
+        const bool blocks = counters.size() > 1 || block_waiter(g, t.op, t.layer);
+        std::map<Key, int> covered;  // signallers over the task's counters, per stage key
+        for (size_t b = 0; b < counters.size(); b++) {
+            const int c = counters[b];
+            uint32_t total = 0;
+            for (const auto &[stage, n] : signallers[c])
+                if (std::get<2>(stage) == -1) total += n, covered[stage] += n;
+                else covered[stage] += n;
+            if (t.target != total)
+                fail("target differs from the signallers of counter " + std::to_string(c) + " in " + describe(en));
+            if (!blocks) continue;
+            const int lo = int(b) * kBlockCols, hi = lo + kBlockCols;
+            for (const Entry *w : signalled_by[c]) {
+                const Stage ws{w->t->op, w->t->layer};
+                if (std::find(needed.begin(), needed.end(), ws) == needed.end())
+                    fail("block counter " + std::to_string(c) + " (columns " + std::to_string(lo) + ".." +
+                         std::to_string(hi) + ") of " + describe(en) + " is signalled by " + describe(*w) +
+                         ", which does not write the input it reads");
+                const auto [c0, c1] = input_columns(g, p, *w->t);
+                if (c0 < lo || c1 > hi || c0 >= c1)
+                    fail("block counter " + std::to_string(c) + " (columns " + std::to_string(lo) + ".." +
+                         std::to_string(hi) + ") of " + describe(en) + " is signalled by " + describe(*w) +
+                         ", which writes columns " + std::to_string(c0) + ".." + std::to_string(c1));
+            }
+        }
         for (const Stage &s : needed) {
             int y = t.op == NMK_OP_DOWN ? t.y : -1;
             Key k{s.first, s.second, y, 0, 0};
-            auto got = signallers[t.wait].find(k);
-            if (got == signallers[t.wait].end() || got->second != stage_size[k])
+            auto got = covered.find(k);
+            if (got == covered.end() || got->second != stage_size[k])
                 fail("does not wait for all of a stage it reads: " + describe(en));
             edges[s].insert({t.op, t.layer});
         }
-        for (const auto &[stage, n] : signallers[t.wait])
-            edges[{std::get<0>(stage), std::get<1>(stage)}].insert({t.op, t.layer});
+        for (int c : counters)
+            for (const auto &[stage, n] : signallers[c])
+                edges[{std::get<0>(stage), std::get<1>(stage)}].insert({t.op, t.layer});
     }
 }
 
@@ -262,7 +312,7 @@ void check_hazards(const Geometry &g, const std::map<Stage, std::set<Stage>> &ed
 
 // The named cases of the must-finish-before rule (schedule.hpp): what a queue task may wait
 // on, and where a list task waiting on a queue must stand.
-void check_queue_waits(const nmk_plan &p, const View &v) {
+void check_queue_waits(const Geometry &g, const nmk_plan &p, const View &v) {
     // Per counter: the last list position of a signaller per SM, the last index per queue.
     std::vector<std::map<int, int>> in_list(p.num_counters), in_queue(p.num_counters);
     for (const Entry &en : v.tasks) {
@@ -274,38 +324,40 @@ void check_queue_waits(const nmk_plan &p, const View &v) {
         const nmk_task &t = (queued ? v.queues : v.per_sm)[owner][pos];
         return describe(Entry{&t, queued, owner, pos});
     };
-    for (const Entry &en : v.tasks) {
-        int c = en.t->wait;
-        if (c < 0) continue;
-        // formatted only for a failure: every waiting task passes through here
-        auto waiter = [&] { return "may deadlock: " + describe(en) + " waits on counter " + std::to_string(c) + ", which "; };
-        if (!en.queued) {
-            for (const auto &[q, i] : in_queue[c])
-                if (v.drain_at[en.owner][q] > en.pos)
-                    fail(waiter() + signaller(true, q, i) + " signals, yet it comes before DRAIN(" + std::to_string(q) +
-                         ") in its list");
-            continue;
-        }
-        int q = en.owner;
-        for (const auto &[s, k] : in_list[c])
-            if (k > v.drain_at[s][q])
-                fail(waiter() + signaller(false, s, k) + " signals after DRAIN(" + std::to_string(q) + ") in its list");
-        for (const auto &[q2, i] : in_queue[c]) {
-            if (q2 == q) {
-                if (i >= en.pos) fail(waiter() + signaller(true, q2, i) + " signals, not earlier in the queue");
+    for (const Entry &en : v.tasks)
+        for (int c : waited(g, *en.t)) {
+            // formatted only for a failure: every waiting task passes through here
+            auto waiter = [&] {
+                return "may deadlock: " + describe(en) + " waits on counter " + std::to_string(c) + ", which ";
+            };
+            if (!en.queued) {
+                for (const auto &[q, i] : in_queue[c])
+                    if (v.drain_at[en.owner][q] > en.pos)
+                        fail(waiter() + signaller(true, q, i) + " signals, yet it comes before DRAIN(" +
+                             std::to_string(q) + ") in its list");
                 continue;
             }
-            for (size_t s = 0; s < v.per_sm.size(); s++)
-                if (v.drain_at[s][q2] > v.drain_at[s][q])
-                    fail(waiter() + signaller(true, q2, i) + " signals, but DRAIN(" + std::to_string(q2) +
-                         ") comes after DRAIN(" + std::to_string(q) + ") in SM " + std::to_string(s) + "'s list");
+            int q = en.owner;
+            for (const auto &[s, k] : in_list[c])
+                if (k > v.drain_at[s][q])
+                    fail(waiter() + signaller(false, s, k) + " signals after DRAIN(" + std::to_string(q) +
+                         ") in its list");
+            for (const auto &[q2, i] : in_queue[c]) {
+                if (q2 == q) {
+                    if (i >= en.pos) fail(waiter() + signaller(true, q2, i) + " signals, not earlier in the queue");
+                    continue;
+                }
+                for (size_t s = 0; s < v.per_sm.size(); s++)
+                    if (v.drain_at[s][q2] > v.drain_at[s][q])
+                        fail(waiter() + signaller(true, q2, i) + " signals, but DRAIN(" + std::to_string(q2) +
+                             ") comes after DRAIN(" + std::to_string(q) + ") in SM " + std::to_string(s) + "'s list");
+            }
         }
-    }
 }
 
 // The must-finish-before relation (schedule.hpp) must be acyclic. Nodes: list entries, queue
 // tasks, counters (a counter stands for all of its signallers).
-void check_acyclic(const nmk_plan &p, const View &v) {
+void check_acyclic(const Geometry &g, const nmk_plan &p, const View &v) {
     std::vector<int> list_base, queue_base;
     int n = 0;
     for (const auto &list : v.per_sm) list_base.push_back(n), n += int(list.size());
@@ -315,7 +367,7 @@ void check_acyclic(const nmk_plan &p, const View &v) {
     std::vector<std::vector<int>> out(n), in(n);
     auto edge = [&](int a, int b) { out[a].push_back(b), in[b].push_back(a); };
     auto task_edges = [&](int node, const nmk_task &t) {
-        if (t.wait >= 0) edge(counter_base + t.wait, node);
+        for (int c : waited(g, t)) edge(counter_base + c, node);
         if (t.signal >= 0) edge(node, counter_base + t.signal);
     };
     for (size_t s = 0; s < v.per_sm.size(); s++)
@@ -402,11 +454,15 @@ void check_acyclic(const nmk_plan &p, const View &v) {
 
 // Runs the step with every SM taking its next task as soon as it may; an SM at DRAIN(q)
 // claims the next task of q and holds it until it can run. All must finish.
-void check_progress(const nmk_plan &p, const View &v) {
+void check_progress(const Geometry &g, const nmk_plan &p, const View &v) {
     std::vector<uint32_t> counters(p.num_counters, 0);
     std::vector<size_t> next(v.per_sm.size(), 0), head(v.queues.size(), 0);
     std::vector<long> held(v.per_sm.size(), -1);  // claimed task of the queue the SM drains
-    auto runnable = [&](const nmk_task &t) { return t.wait < 0 || counters[t.wait] >= t.target; };
+    auto runnable = [&](const nmk_task &t) {
+        for (int c : waited(g, t))
+            if (counters[c] < t.target) return false;
+        return true;
+    };
     auto finish = [&](const nmk_task &t) {
         if (t.signal >= 0) counters[t.signal]++;
     };
@@ -474,6 +530,12 @@ void check_plan(const Geometry &g, const nmk_plan &p) {
              std::string(name) + " must be a positive multiple of 16 up to " + std::to_string(most) + ", got " +
                  std::to_string(value));
     need(p.lm_tiles == (g.vocab + p.lm_rows - 1) / p.lm_rows, "lm_tiles must be ceil(vocab / lm_rows)");
+    // a writer of a layer's input signals the counter of its column block: its tile lies in one
+    const std::pair<const char *, int> writers[] = {
+        {"oproj_rows", p.oproj_rows}, {"moe_down_rows", p.moe_down_rows}, {"dense_down_rows", p.dense_down_rows}};
+    for (const auto &[name, value] : writers)
+        need(kBlockCols % value == 0, std::string(name) + " must divide NMK_MK_BLOCK_COLS (" +
+                                          std::to_string(kBlockCols) + "), got " + std::to_string(value));
 }
 
 void check(const Geometry &g, const nmk_plan &plan, const TaskLists &per_sm, const TaskLists &queues) {
@@ -483,7 +545,7 @@ void check(const Geometry &g, const nmk_plan &plan, const TaskLists &per_sm, con
         fail("plan.num_queues is " + std::to_string(plan.num_queues) + " but " + std::to_string(queues.size()) +
              " queues were given");
     View v(per_sm, queues);
-    check_fields(plan, v);
+    check_fields(g, plan, v);
     std::map<Key, int> attn_splits;
     std::set<Stage> stages;
     for (const Entry &e : v.tasks) {
@@ -493,11 +555,11 @@ void check(const Geometry &g, const nmk_plan &plan, const TaskLists &per_sm, con
     Expected e = expected_tasks(g, plan, attn_splits);
     check_coverage(e, v);
     std::map<Stage, std::set<Stage>> edges;
-    check_counters(e, plan, v, edges);
+    check_counters(g, e, plan, v, edges);
     check_hazards(g, edges, stages);
-    check_queue_waits(plan, v);
-    check_acyclic(plan, v);
-    check_progress(plan, v);
+    check_queue_waits(g, plan, v);
+    check_acyclic(g, plan, v);
+    check_progress(g, plan, v);
 }
 
 }  // namespace nmk::schedule

@@ -3,13 +3,15 @@
 //
 // build() lays the forward pass out as stages (norm at layer 0; qkv, router, gate_up,
 // attention, down, o-proj per layer; then lm_head, argmax) and splits each stage into tiles.
-// Per layer l the lists get the NORM (l = 0), ROUTER and QKV tiles dealt round-robin, then
+// The lists get layer 0's NORM, ROUTER and QKV tiles dealt round-robin, then per layer l
 // DRAIN(l) on every SM; queue l holds the layer's GATE_UP (slot-major; the ATTN tasks (row, kv
-// head, split) after its first num_sms - splits), DOWN (slot-major) and OPROJ tasks, which the
-// SMs drain by work stealing. LM_HEAD and ARGMAX are dealt to the lists after the last layer.
-// Each stage waits on the counter of the stages it reads: a layer's readers of its input on
-// the previous layer's o-proj and DOWN tiles, which add into it. check() proves a schedule
-// safe to run. Semantics: v0.5 tasks, ABI v3 queues (northmk.h).
+// head, split) after its first num_sms - splits), DOWN (slot-major) and OPROJ tasks, then
+// layer l + 1's ROUTER and QKV tiles, which the SMs drain by work stealing. LM_HEAD and ARGMAX
+// are dealt to the lists after the last layer. Each stage waits on the counters of the stages
+// it reads; a layer's input has one per column block (kBlockCols columns), which the previous
+// layer's o-proj and DOWN tiles (layer 0's NORM tiles) signal, each its own block's, and its
+// readers wait on all of them (block_waiter). check() proves a schedule safe to run.
+// Semantics: v0.6 tasks, ABI v3 queues (northmk.h).
 
 #pragma once
 
@@ -31,6 +33,8 @@ constexpr int kMaxQkvRows = 128, kMaxOprojRows = 128, kMaxCols = 128, kMaxDenseD
 constexpr int kMaxMoeDownRows = 256, kMaxLmRows = 512;
 constexpr int kMaxGemvInput = 4096;  // widest input [8, K] bf16 a GEMV stages
 constexpr int kMinSplitPages = 12;   // an attention split covers at least this many pages
+// A layer's input has a counter per block of kBlockCols hidden columns (hidden % 256 == 0).
+constexpr int kBlockCols = NMK_MK_BLOCK_COLS;
 
 struct Geometry {
     int hidden = 0;
@@ -84,14 +88,16 @@ Schedule build(const Geometry &g, int num_sms, const std::vector<int> &context_l
 //  - a malformed DRAIN: in a queue, of an unknown queue, with y, z, wait, target or signal
 //    not 0 / -1, or a list without exactly one DRAIN(q) for some queue q;
 //  - a task missing, unexpected or present twice (across lists and queues);
-//  - a counter waited on whose target differs from its number of signallers, or a wait
-//    that misses a stage the task reads;
+//  - a counter waited on whose target differs from its number of signallers, a wait that
+//    misses a stage the task reads, or a block counter of a layer's input signalled by a task
+//    that is not one of its writers or writes columns outside its block;
 //  - two stages touching one buffer unordered;
 //  - a wait that may deadlock under some claim order. The rule: the must-finish-before
 //    relation is acyclic. Its edges: (i) consecutive entries of a list; (ii) consecutive
 //    tasks of a queue; (iii) in each list, the entry before DRAIN(q) -> q's first task and
 //    q's last task -> DRAIN(q) (the list runs all of q in place of DRAIN(q)); (iv) every
-//    signaller of a counter -> every task that waits on it. Why it suffices: in a stuck
+//    signaller of a counter -> every task that waits on it (on any counter of its group,
+//    for a block waiter). Why it suffices: in a stuck
 //    state, a CTA waits on an unfinished signaller, a list entry on the one before it, an
 //    unclaimed queue task on every CTA (none has passed DRAIN(q): each is stuck before it,
 //    or at it holding an earlier task of q), a task claimed ahead on its CTA's current one
@@ -107,6 +113,13 @@ void check(const Geometry &g, const nmk_plan &plan, const TaskLists &per_sm, con
 // Throws std::runtime_error when the plan's tiles do not fit the geometry, the batch or
 // the kernel's limits.
 void check_plan(const Geometry &g, const nmk_plan &plan);
+
+// Whether tasks of op at layer read that layer's input (LM_HEAD: the last layer's output) and
+// so wait on its block counters, hidden / kBlockCols of them from their wait (v0.6): QKV,
+// ROUTER, LM_HEAD and a dense layer's GATE_UP. wait_span: how many counters a task waits on
+// (0: none).
+bool block_waiter(const Geometry &g, int op, int layer);
+int wait_span(const Geometry &g, const nmk_task &t);
 
 // Number of tiles of each stage, as build() makes them and the kernel expects them.
 int qkv_tiles(const Geometry &g, const nmk_plan &p);

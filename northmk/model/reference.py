@@ -99,9 +99,12 @@ class ReferenceModel:
 
     # ---- attention ----------------------------------------------------------------------
     def attention(self, i: int, layer: LayerWeights, h: torch.Tensor, positions: torch.Tensor,
-                  cos: torch.Tensor, sin: torch.Tensor, layout: BatchLayout, kv: PagedKVCache) -> torch.Tensor:
+                  cos: torch.Tensor, sin: torch.Tensor, layout: BatchLayout, kv: PagedKVCache,
+                  qkv: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of layer i over normed h [T, H]; qkv: the projection h @ qkv.T when the
+        caller computed it itself (the megakernel's oracle, with the kernel's rounding)."""
         c = self.config
-        q, k, v = (h @ layer.qkv.T).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q, k, v = (h @ layer.qkv.T if qkv is None else qkv).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         q = q.unflatten(-1, (c.num_heads, c.head_dim))  # [T, Hq, D]
         k = k.unflatten(-1, (c.num_kv_heads, c.head_dim))  # [T, Hkv, D]
         v = v.unflatten(-1, (c.num_kv_heads, c.head_dim))

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from northmk.config import ModelConfig
-from northmk.megakernel import MAX_SPLITS, Opcode, Schedule, check_schedule, unsupported_reason
+from northmk.megakernel import BLOCK_COLS, MAX_SPLITS, Opcode, Schedule, check_schedule, unsupported_reason
 from northmk.megakernel_interpreter import execution_order
 from northmk.native import NativeError
 
@@ -54,35 +54,37 @@ def test_schedules_pass_the_checker_at_other_sizes(num_sms, lens):
         check(config, Schedule(config, num_sms, lens))
 
 
-def test_each_layer_is_list_tiles_then_one_drain_per_sm_of_its_queue():
+def test_lists_hold_layer_0s_tiles_then_one_drain_per_queue_then_the_lm_head():
     s = Schedule(SMALL, 8, [300, 70, 1])
     assert s.queue_offsets[0] == s.sm_offsets[-1] and s.queue_offsets[-1] == len(s.tasks)
     assert (np.diff(s.queue_offsets) > 0).all()
     for sm in range(s.num_sms):
         listed = s.tasks_of(sm)
         drains = np.flatnonzero(listed["op"] == Opcode.DRAIN)
+        assert drains.tolist() == list(range(drains[0], drains[0] + 5)), "the DRAIN entries back to back"
         assert listed["x"][drains].tolist() == list(range(5)), "one DRAIN per queue, in layer order"
         drained = listed[drains]
         assert (drained["wait"] == -1).all() and (drained["signal"] == -1).all() and (drained["target"] == 0).all()
         assert (drained["y"] == 0).all() and (drained["z"] == 0).all()
-        for layer, at in enumerate(drains):  # before DRAIN(l): layer l's list tiles, after it: later layers'
-            before, after = listed[:at], listed[at + 1:]
-            assert set(before["layer"][before["op"] != Opcode.DRAIN]) <= set(range(layer + 1))
-            assert not ((after["layer"] <= layer) & np.isin(after["op"], [Opcode.NORM, Opcode.QKV, Opcode.ROUTER])).any()
+        before, after = listed[:drains[0]], listed[drains[-1] + 1:]
+        assert (before["layer"] == 0).all() and set(before["op"].tolist()) <= {Opcode.NORM, Opcode.QKV}
+        assert set(after["op"].tolist()) <= {Opcode.LM_HEAD, Opcode.ARGMAX}
     listed = np.concatenate([s.tasks_of(sm) for sm in range(s.num_sms)])
-    assert set(np.unique(listed["op"])) == {Opcode.NORM, Opcode.QKV, Opcode.ROUTER, Opcode.DRAIN, Opcode.LM_HEAD,
-                                           Opcode.ARGMAX}
+    assert set(np.unique(listed["op"])) == {Opcode.NORM, Opcode.QKV, Opcode.DRAIN, Opcode.LM_HEAD, Opcode.ARGMAX}
 
 
-def test_queue_l_holds_gate_up_attention_down_and_oproj_in_order():
+def test_queue_l_holds_gate_up_attention_down_and_oproj_then_the_next_layers_router_and_qkv():
     s = Schedule(SMALL, 8, [300, 70, 1])
     p = s.plan
     for layer in range(5):
         q = s.queue(layer)
-        assert (q["layer"] == layer).all()
-        runs = [int(op) for i, op in enumerate(q["op"]) if i == 0 or op != q["op"][i - 1]]
+        runs = [(int(op), int(l)) for i, (op, l) in enumerate(zip(q["op"], q["layer"]))
+                if i == 0 or (op, l) != (q["op"][i - 1], q["layer"][i - 1])]
         # The attention splits after the first num_sms - splits GATE_UP tasks (none here: 8 SMs).
-        assert runs == [Opcode.ATTN, Opcode.GATE_UP, Opcode.DOWN, Opcode.OPROJ]
+        tail = [(Opcode.ROUTER, layer + 1), (Opcode.QKV, layer + 1)] if layer < 4 else []
+        assert runs == [(Opcode.ATTN, layer), (Opcode.GATE_UP, layer), (Opcode.DOWN, layer),
+                        (Opcode.OPROJ, layer)] + tail
+        q = q[q["layer"] == layer]
         for op in (Opcode.GATE_UP, Opcode.DOWN):  # slot-major, then tile
             of = q[q["op"] == op]
             assert [(int(y), int(x)) for x, y in zip(of["x"], of["y"])] == sorted(zip(of["y"].tolist(), of["x"].tolist()))
@@ -92,6 +94,32 @@ def test_queue_l_holds_gate_up_attention_down_and_oproj_in_order():
         assert keys == sorted(keys) and {k[0] for k in keys} == {0, 1, 2}
         oproj = q[q["op"] == Opcode.OPROJ]
         assert oproj["x"].tolist() == list(range(len(oproj)))
+
+
+@pytest.mark.parametrize("lens", [[8192], [300, 70, 1], [64] * 8])
+def test_writers_signal_their_column_block_and_readers_wait_on_every_block(lens):
+    c = north(num_layers=4)
+    s = Schedule(c, 132, lens)
+    t, p, blocks = s.tasks, s.plan, 2048 // BLOCK_COLS
+    rows = {Opcode.NORM: p["norm_cols"], Opcode.OPROJ: p["oproj_rows"]}
+
+    def first_column(task) -> int:
+        op = int(task["op"])
+        per = rows.get(op) or (p["dense_down_rows"] if int(task["layer"]) == 0 else p["moe_down_rows"])
+        assert BLOCK_COLS % per == 0, (op, per)
+        return int(task["x"]) * per
+
+    for layer in range(5):  # layer 4: the LM head's input
+        writers = t[(t["op"] == Opcode.NORM)] if layer == 0 else \
+            t[np.isin(t["op"], (Opcode.OPROJ, Opcode.DOWN)) & (t["layer"] == layer - 1)]
+        base = int(writers["signal"].min())
+        assert [int(w["signal"]) - base for w in writers] == [first_column(w) // BLOCK_COLS for w in writers]
+        per_block = np.bincount(writers["signal"] - base, minlength=blocks)
+        assert len(per_block) == blocks and (per_block == per_block[0]).all()
+        readers = t[np.isin(t["op"], (Opcode.QKV, Opcode.ROUTER)) & (t["layer"] == layer)] if layer < 4 else \
+            t[t["op"] == Opcode.LM_HEAD]
+        assert len(readers) and (readers["wait"] == base).all() and (readers["target"] == per_block[0]).all()
+        assert (s.wait_spans()[np.isin(t["op"], (Opcode.QKV, Opcode.LM_HEAD))] == blocks).all()
 
 
 def test_every_sm_helps_drain_the_queues():
@@ -227,15 +255,21 @@ def test_sparse_gate_up_waits_for_every_router_tile_and_norm_for_nothing_at_laye
     assert (gate_up["target"] == len(router)).all()
     dense = t[(t["op"] == Opcode.GATE_UP) & (t["layer"] == 0)]
     norm0 = t[(t["op"] == Opcode.NORM) & (t["layer"] == 0)]
-    assert set(dense["wait"]) == set(norm0["signal"]) and (dense["target"] == s.plan["norm_tiles"]).all()
+    assert set(dense["wait"]) == {norm0["signal"].min()}, "the first of the input's block counters"
+    assert set(norm0["signal"]) == set(range(norm0["signal"].min(), norm0["signal"].min() + 2048 // BLOCK_COLS))
+    assert (dense["target"] == BLOCK_COLS // s.plan["norm_cols"]).all(), "the NORM tiles of one block"
     assert (norm0["wait"] == -1).all()
 
 
 def test_wait_targets_count_all_signallers():
     s = Schedule(SMALL, 16, [300, 70, 1])
     signals = np.bincount(s.tasks["signal"][s.tasks["signal"] >= 0], minlength=s.plan["num_counters"])
-    waits = s.tasks[s.tasks["wait"] >= 0]
-    assert (waits["target"] == signals[waits["wait"]]).all()
+    spans = s.wait_spans()
+    waits, spans = s.tasks[spans > 0], spans[spans > 0]
+    assert set(spans.tolist()) == {1, 2048 // BLOCK_COLS}
+    for b in range(2048 // BLOCK_COLS):  # each counter of a block waiter's span
+        at = spans > b
+        assert (waits["target"][at] == signals[waits["wait"][at] + b]).all()
     work = s.tasks[s.tasks["op"] != Opcode.DRAIN]
     assert (work["wait"] < 0).sum() == s.plan["norm_tiles"], "only layer 0's norm tiles start without waiting"
 
@@ -259,17 +293,21 @@ def _mutated(s: Schedule, mutate) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         ("a norm tile missing", lambda t, o, q: _drop(t, o, q, Opcode.NORM), "missing task op=1"),
         ("an attention split missing", lambda t, o, q: _drop(t, o, q, Opcode.ATTN), "missing task op=4"),
         # ---- queues ----
-        ("a queue task waits on a list task after its DRAIN", lambda t, o, q: _router_after_drain(t, o, q, 3, 1),
-         r"may deadlock: queue 1 #\d+ task\(op=7 .*which SM 3 #\d+ task\(op=3 .* signals after DRAIN\(1\) in its list"),
-        ("a list task before the DRAIN of a queue it waits on", lambda t, o, q: _qkv_before_drain(t, o, q, 2, 1),
-         r"may deadlock: SM 2 #\d+ task\(op=2 layer=2 .*which queue 1 #\d+ .* yet it comes before DRAIN\(1\)"),
+        ("a queue task waits on a list task after its DRAIN", lambda t, o, q: _norm_after_drain(t, o, q, 3, 0),
+         r"may deadlock: queue 0 #\d+ task\(op=7 .*which SM 3 #\d+ task\(op=1 .* signals after DRAIN\(0\) in its list"),
+        ("a list task before the DRAIN of a queue it waits on", lambda t, o, q: _lm_head_before_drain(t, o, q, 2, 4),
+         r"may deadlock: SM 2 #\d+ task\(op=10 layer=0 .*which queue 4 #\d+ .* yet it comes before DRAIN\(4\)"),
+        ("a queue task waits on a block signalled after its DRAIN",
+         lambda t, o, q: _block_after_drain(t, o, q, 1),
+         r"may deadlock: queue 0 #\d+ task\(op=7 .* waits on counter \d+, which SM \d+ #\d+ task\(op=1 layer=0 x=8 "
+         r".* signals after DRAIN\(0\) in its list"),
         ("a queue task waits on a later one of its queue", lambda t, o, q: _oproj_first(t, o, q, 2),
          r"may deadlock: queue 2 #0 task\(op=6 .*which queue 2 #\d+ task\(op=4 .* not earlier in the queue"),
         ("a queue task waits on a queue drained later", lambda t, o, q: _attention_to_next_queue(t, o, q, 1),
          r"may deadlock: queue 1 #\d+ task\(op=6 .*which queue 2 #\d+ task\(op=4 .* but DRAIN\(2\) comes after "
          r"DRAIN\(1\) in SM 0's list"),
-        ("a qkv tile after its layer's DRAIN", lambda t, o, q: _qkv_after_drain(t, o, q, 4, 1),
-         r"may deadlock: queue 1 #\d+ task\(op=4 .*which SM 4 #\d+ task\(op=2 layer=1 .* signals after DRAIN\(1\)"),
+        ("a qkv tile after its layer's DRAIN", lambda t, o, q: _qkv_after_drain(t, o, q, 4, 0),
+         r"may deadlock: queue 0 #\d+ task\(op=4 .*which SM 4 #\d+ task\(op=2 layer=0 .* signals after DRAIN\(0\)"),
         ("retired FINAL_NORM", lambda t, o, q: (_set(t, int(np.flatnonzero(t["op"] == Opcode.NORM)[0]), "op",
                                                      Opcode.FINAL_NORM), o, q), "retired opcode FINAL_NORM"),
         ("a cycle within a list", lambda t, o, q: _qkv_before_norm(t, o, q, 0),
@@ -350,27 +388,50 @@ def _rewire(s: Schedule, op: Opcode, layer: int, to: Opcode) -> np.ndarray:
     return tasks
 
 
-@pytest.mark.parametrize("op, layer, to", [
-    (Opcode.ATTN, 1, Opcode.ROUTER),    # attention before q exists
-    (Opcode.OPROJ, 1, Opcode.QKV),      # o-proj before the merged attention output
-    (Opcode.GATE_UP, 2, Opcode.QKV),    # experts before the router logits
-    (Opcode.LM_HEAD, 0, Opcode.OPROJ),  # logits from layer 0's outputs, not the last layer's
+MISSED_STAGE = "does not wait for all of a stage it reads"
+
+
+@pytest.mark.parametrize("op, layer, to, message", [
+    (Opcode.ATTN, 1, Opcode.ROUTER, MISSED_STAGE),  # attention before q exists
+    (Opcode.OPROJ, 1, Opcode.QKV, MISSED_STAGE),  # o-proj before the merged attention output
+    (Opcode.GATE_UP, 2, Opcode.QKV, MISSED_STAGE),  # experts before the router logits
+    # logits from layer 0's outputs, not the last layer's
+    (Opcode.LM_HEAD, 0, Opcode.OPROJ,
+     r"block counter \d+ \(columns 0\.\.256\) of SM \d+ #\d+ task\(op=10 .* is signalled by queue 0 #\d+ "
+     r"task\(op=\d+ layer=0 .*, which does not write the input it reads"),
 ])
-def test_checker_rejects_a_wait_on_the_wrong_stage(op, layer, to):
+def test_checker_rejects_a_wait_on_the_wrong_stage(op, layer, to, message):
     s = Schedule(SMALL, 8, [64, 300])
     tasks = _rewire(s, op, layer, to)
-    with pytest.raises(NativeError, match="does not wait for all of a stage it reads"):
+    with pytest.raises(NativeError, match=message):
         check_schedule(SMALL, s.plan, tasks, s.sm_offsets, s.queue_offsets)
 
 
-def test_checker_rejects_a_wait_on_part_of_the_norm_tiles():
+def test_checker_rejects_a_norm_tile_that_does_not_signal_its_block():
     s = Schedule(SMALL, 8, [64])
     tasks = s.tasks.copy()
     norm = np.flatnonzero((tasks["op"] == Opcode.NORM) & (tasks["layer"] == 0))[0]
-    normed = tasks["signal"][norm]
+    block = tasks["signal"][norm]
     tasks["signal"][norm] = -1  # one NORM tile's columns of the embedding go unwaited for
-    tasks["target"][tasks["wait"] == normed] -= 1
-    with pytest.raises(NativeError, match="does not wait for all of a stage it reads"):
+    tasks["target"][tasks["wait"] == block] -= 1  # block 0 is then complete, the others are not
+    with pytest.raises(NativeError, match=f"target differs from the signallers of counter {block + 1} in "):
+        check_schedule(SMALL, s.plan, tasks, s.sm_offsets, s.queue_offsets)
+
+
+@pytest.mark.parametrize("op, layer", [(Opcode.NORM, 0), (Opcode.OPROJ, 2), (Opcode.DOWN, 3)])
+def test_checker_rejects_a_writer_that_signals_another_columns_block(op, layer):
+    """Two writers of a layer's input in different column blocks swap their signals: every
+    count and every stage is still complete, but a reader of block 0 would read the other
+    block's writer's columns before they are summed."""
+    s = Schedule(SMALL, 8, [64])
+    tasks = s.tasks.copy()
+    writers = np.flatnonzero((tasks["op"] == op) & (tasks["layer"] == layer))
+    first = writers[0]
+    other = next(w for w in writers if tasks["signal"][w] != tasks["signal"][first])
+    tasks["signal"][first], tasks["signal"][other] = tasks["signal"][other], tasks["signal"][first]
+    with pytest.raises(NativeError, match=rf"block counter \d+ \(columns 0\.\.256\) of .* is signalled by "
+                                          rf".*task\(op={int(op)} "
+                                          rf"layer={layer} x={int(tasks['x'][other])} .*, which writes columns [1-9]"):
         check_schedule(SMALL, s.plan, tasks, s.sm_offsets, s.queue_offsets)
 
 
@@ -378,6 +439,8 @@ def test_checker_rejects_a_wait_on_part_of_the_norm_tiles():
     ("qkv_rows", 24, "qkv_rows must be a positive multiple of 16 up to 128"),
     ("oproj_rows", 144, "oproj_rows must be a positive multiple of 16 up to 128"),
     ("moe_down_rows", 272, "moe_down_rows must be a positive multiple of 16 up to 256"),
+    ("oproj_rows", 48, r"oproj_rows must divide NMK_MK_BLOCK_COLS \(256\), got 48"),
+    ("dense_down_rows", 96, r"dense_down_rows must divide NMK_MK_BLOCK_COLS \(256\), got 96"),
     ("lm_rows", 0, "lm_rows must be"),
     ("norm_cols", 256, "norm_cols must be 32"),
     ("norm_tiles", 1, "norm_tiles"),
@@ -490,8 +553,20 @@ def _move_in_list(t, o, q, sm, op, layer, before_op, before_layer, after=False):
     return t, o, q
 
 
-def _router_after_drain(t, o, q, sm, layer):
-    return _move_in_list(t, o, q, sm, Opcode.ROUTER, layer, Opcode.DRAIN, layer, after=True)
+def _block_after_drain(t, o, q, block):
+    """The SM holding layer 0's first NORM tile of column block `block` moves it after its DRAIN(0)."""
+    x = block * BLOCK_COLS // 32
+    i = int(np.flatnonzero((t["op"] == Opcode.NORM) & (t["x"] == x))[0])
+    sm = int(np.searchsorted(o, i, side="right")) - 1
+    seg = t[o[sm]:o[sm + 1]].copy()
+    at = i - int(o[sm])
+    moved, seg = seg[at].copy(), np.delete(seg, at)
+    t[o[sm]:o[sm + 1]] = np.insert(seg, _find(seg, Opcode.DRAIN, 0) + 1, moved)
+    return t, o, q
+
+
+def _lm_head_before_drain(t, o, q, sm, queue):
+    return _move_in_list(t, o, q, sm, Opcode.LM_HEAD, 0, Opcode.DRAIN, queue)
 
 
 def _norm_after_drain(t, o, q, sm, layer):
@@ -500,10 +575,6 @@ def _norm_after_drain(t, o, q, sm, layer):
 
 def _qkv_after_drain(t, o, q, sm, layer):
     return _move_in_list(t, o, q, sm, Opcode.QKV, layer, Opcode.DRAIN, layer, after=True)
-
-
-def _qkv_before_drain(t, o, q, sm, layer):
-    return _move_in_list(t, o, q, sm, Opcode.QKV, layer + 1, Opcode.DRAIN, layer)
 
 
 def _qkv_before_norm(t, o, q, sm):
