@@ -441,10 +441,9 @@ __device__ __forceinline__ void stage_normed(char *smem, const Params &p, const 
 // staged input is bf16(x * weight), x the residual's sums rounded to bf16, and the GEMV's outputs
 // are multiplied by each row's rms (rms_of, from the stagers' sums of squares) before they are
 // rounded. So no staging waits for the whole row: each chunk of the input is staged as soon as
-// its column block is complete (a counter per NMK_MK_BLOCK_COLS columns), and where each warp's
-// share of the GEMV is the block it stages (gemv's own-part case: hidden = 2048) the warp goes
-// on alone, while other blocks are still being written (the tasks run in the previous layer's
-// tail: schedule builder).
+// its column block is complete (a counter per NMK_MK_BLOCK_COLS columns; the tasks run in the
+// previous layer's tail: schedule builder). A 2048-wide input goes through gemv_blocks, whose
+// warps go on block by block; any other through this staging.
 //
 // The staging by the CTA's threads around their first weight burst, with no CTA barrier (a
 // Stage for TileDotT): load() waits for the thread's first chunk's block (lane 0 polls, then
@@ -453,7 +452,7 @@ __device__ __forceinline__ void stage_normed(char *smem, const Params &p, const 
 // further chunks then), writes the warp's sums of squares (Kept::ss_part), keeps the rounded x
 // and weight of chunks [stash0, stash1) in `stash` (the router's share of the exact normed
 // image, written once the rms is known), and arrives on Kept::staged; gemv's warps wait for all
-// kThreads arrivals before their first mma unless each reads only its own chunks.
+// kThreads arrivals before their first mma.
 template <int B>
 struct NormedStaging {
     static constexpr bool kActive = true;
@@ -749,10 +748,6 @@ __device__ __forceinline__ void gemv(Row row, int n_rows, const bf16 *in, int K,
     const int ks = wg ? k_parts(tiles / 4, 4, 2, steps) : k_parts(tiles, 1, kWarps, steps);
     const int units = (wg ? tiles / 4 : tiles) * ks, first = wg ? warp / 4 : warp, stride = wg ? 2 : kWarps;
     const uint32_t in_addr = smem_u32(in);
-    // A staging of one chunk a thread (K = 8 kThreads) whose warps' parts are their own chunks: a
-    // warp reads only what it staged, and need not wait for the others.
-    if constexpr (Dot::kStaged)
-        if (!wg && ks == kWarps && K == 8 * kThreads) dot.ready = nullptr;
 #pragma unroll 1
     for (int u = first; u < units; u += stride) {
         const int tile = wg ? u / ks * 4 + warp % 4 : u / ks, part = u % ks, item = tile * ks + part, r = tile * 16 + g;
