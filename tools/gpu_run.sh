@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # THE device script: install carried wheels, build libnorthmk with CUDA, then each stage
-# that is switched on; logs under $OUT, a short table last.
+# that is switched on; logs under $OUT (all of them packed in $OUT/0run.tgz), a short table last.
 #   SANITIZE=1  compute-sanitizer memcheck + racecheck on one step of a small 2-layer model and on
 #               sliced nmk_sample draws (tools/sample_check.py), and racecheck on
 #               tools/racecheck_bulk_probe.cu (the bulk-copy handshakes alone)
@@ -161,6 +161,14 @@ if [ "$NCU" = 1 ]; then
     >"$OUT/ncu.log" 2>&1
   ncu_rc=$?
   echo "ncu rc=$ncu_rc in $(( $(date +%s) - t0 ))s"
+fi
+# Everything under $OUT in one file, first in name order: the device call returns only a few of
+# $OUT's files (the JSONs, the sanitizers' and tests' logs, the profiled steps come back in it).
+# Files named 0* are left out: the caller's own logs, still being written, which come back anyway.
+if (cd "$OUT" && tar -czf .0run.tgz --exclude='./0*' --exclude=./.0run.tgz . && mv .0run.tgz 0run.tgz); then
+  [ "$(stat -c %s "$OUT/0run.tgz")" -le $((16 << 20)) ] || echo "WARNING: $OUT/0run.tgz is over 16 MiB: it will not come back"
+else
+  echo "could not pack $OUT/0run.tgz"
 fi
 echo "== summary: build $build_rc, gemv $gemv_rc, executor $executor_rc, sanitize [$san_rc], diag $diag_rc, tests $tests_rc, server $server_rc, bench $bench_rc, peer $peer_rc, ncu $ncu_rc, engine $engine_rc, moe $moe_rc"
 [ "$GEMV" = 1 ] && tail -30 "$OUT/gemv.log"
