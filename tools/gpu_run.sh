@@ -165,7 +165,9 @@ fi
 # Everything under $OUT in one file, first in name order: the device call returns only a few of
 # $OUT's files (the JSONs, the sanitizers' and tests' logs, the profiled steps come back in it).
 # Files named 0* are left out: the caller's own logs, still being written, which come back anyway.
-if (cd "$OUT" && tar -czf .0run.tgz --exclude='./0*' --exclude=./.0run.tgz . && mv .0run.tgz 0run.tgz); then
+# (Written outside $OUT first: tar fails on a folder that changes while it reads it.)
+packed=$(mktemp /tmp/0run.XXXXXX.tgz)
+if tar -czf "$packed" -C "$OUT" --exclude='./0*' . && chmod 644 "$packed" && mv "$packed" "$OUT/0run.tgz"; then
   [ "$(stat -c %s "$OUT/0run.tgz")" -le $((16 << 20)) ] || echo "WARNING: $OUT/0run.tgz is over 16 MiB: it will not come back"
 else
   echo "could not pack $OUT/0run.tgz"
