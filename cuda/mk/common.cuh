@@ -489,36 +489,37 @@ struct NormedStaging {
         if (threadIdx.x < p->hidden / 8) load_chunk(threadIdx.x);
     }
 
+    // The loaded chunk c: x rounded, its squares added to ss, bf16(x * weight) stored at smem
+    // offset 0, the rounded x and the weight kept in `stash` when c is in [stash0, stash1).
+    __device__ __forceinline__ void stage_chunk(int c, float (&ss)[B]) const {
+        float wf[8];
+        unpack8(w, wf);
+        const bool kept_here = c >= stash0 && c < stash1;
+#pragma unroll
+        for (int r = 0; r < B; r++) {
+            const float4 u = round_bf16(xa[r]), v = round_bf16(xb[r]);
+            ss[r] += u.x * u.x + u.y * u.y + u.z * u.z + u.w * u.w + v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+            const float x[8] = {u.x, u.y, u.z, u.w, v.x, v.y, v.z, v.w};
+            uint4 out, xr;
+            uint32_t *o = reinterpret_cast<uint32_t *>(&out), *q = reinterpret_cast<uint32_t *>(&xr);
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                o[j] = pack_bf16(x[2 * j] * wf[2 * j], x[2 * j + 1] * wf[2 * j + 1]);
+                q[j] = pack_bf16(x[2 * j], x[2 * j + 1]);  // exact: x is bf16
+            }
+            store_in_chunk(reinterpret_cast<bf16 *>(smem), r, c, out);
+            if (kept_here) stash[(c - stash0) * (B + 1) + r] = xr;
+        }
+        if (kept_here) stash[(c - stash0) * (B + 1) + B] = w;
+    }
+
     __device__ __forceinline__ void finish() {
         Kept &k = kept(smem);
-        const int chunks = p->hidden / 8;
-        bf16 *dst = reinterpret_cast<bf16 *>(smem);
         float ss[B] = {};
-        float wf[8];
 #pragma unroll 1
-        for (int c = threadIdx.x; c < chunks; c += kThreads) {
+        for (int c = threadIdx.x; c < p->hidden / 8; c += kThreads) {
             if (c != threadIdx.x) load_chunk(c);
-            unpack8(w, wf);
-            const bool kept_here = c >= stash0 && c < stash1;
-#pragma unroll
-            for (int r = 0; r < B; r++) {
-                const float4 u = round_bf16(xa[r]), v = round_bf16(xb[r]);
-                ss[r] += u.x * u.x + u.y * u.y + u.z * u.z + u.w * u.w + v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-                const float x[8] = {u.x, u.y, u.z, u.w, v.x, v.y, v.z, v.w};
-                uint4 out;
-                uint32_t *o = reinterpret_cast<uint32_t *>(&out);
-#pragma unroll
-                for (int j = 0; j < 4; j++) o[j] = pack_bf16(x[2 * j] * wf[2 * j], x[2 * j + 1] * wf[2 * j + 1]);
-                store_in_chunk(dst, r, c, out);
-                if (kept_here) {
-                    uint4 xr;
-                    uint32_t *q = reinterpret_cast<uint32_t *>(&xr);
-#pragma unroll
-                    for (int j = 0; j < 4; j++) q[j] = pack_bf16(x[2 * j], x[2 * j + 1]);  // exact: x is bf16
-                    stash[(c - stash0) * (B + 1) + r] = xr;
-                }
-            }
-            if (kept_here) stash[(c - stash0) * (B + 1) + B] = w;
+            stage_chunk(c, ss);
         }
         warp_squares<B>(smem, ss);
         mbar_arrive(&k.staged);
@@ -823,29 +824,12 @@ __device__ __forceinline__ void gemv_blocks(char *smem, const Params &p, const b
             wh[j] = load_weight<true>(hi + 16 * (ka + 32 * j));
         }
         if (tile == 0) {
-            // stage the block: lane l its chunk 32 blk + l (NormedStaging's load and finish)
+            // stage the block: lane l its chunk 32 blk + l (NormedStaging's load and stage_chunk)
             NormedStaging<B> st{&p, smem, weight, tag, counter, target, stash, stash0, stash1};
             const int c = blk * 32 + lane;
+            float ss[B] = {};
             st.load_chunk(c);
-            float wf[8], ss[B] = {};
-            unpack8(st.w, wf);
-            bf16 *dst = reinterpret_cast<bf16 *>(smem);
-#pragma unroll
-            for (int r = 0; r < B; r++) {
-                const float4 u = round_bf16(st.xa[r]), v = round_bf16(st.xb[r]);
-                ss[r] = u.x * u.x + u.y * u.y + u.z * u.z + u.w * u.w + v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-                const float x[8] = {u.x, u.y, u.z, u.w, v.x, v.y, v.z, v.w};
-                uint4 o4, xr;
-                uint32_t *o = reinterpret_cast<uint32_t *>(&o4), *q = reinterpret_cast<uint32_t *>(&xr);
-#pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    o[j] = pack_bf16(x[2 * j] * wf[2 * j], x[2 * j + 1] * wf[2 * j + 1]);
-                    q[j] = pack_bf16(x[2 * j], x[2 * j + 1]);  // exact: x is bf16
-                }
-                store_in_chunk(dst, r, c, o4);
-                if (c >= stash0 && c < stash1) stash[(c - stash0) * (B + 1) + r] = xr;
-            }
-            if (c >= stash0 && c < stash1) stash[(c - stash0) * (B + 1) + B] = st.w;
+            st.stage_chunk(c, ss);
             warp_squares<B>(smem, ss, blk);
             mbar_arrive(&k.block_staged[blk]);
             __syncwarp();  // the warp's own reads of what its lanes staged

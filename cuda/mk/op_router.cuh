@@ -132,29 +132,26 @@ __device__ void run_router(const Params &p, int layer, int tile, char *smem, con
                    target, stash, stashed ? c0 : 0, stashed ? c1 : 0);
     const PostRms<B> rms(smem, p);
     if constexpr (B <= kStagedMaxBatch) {
-        // bf16(round(x * rms) * weight), the roundings of the reference's RMSNorm (store_normed_chunk)
+        // the exact normed image (store_normed_chunk), from the stash or the residual's sums
 #pragma unroll 1
-        for (int i = threadIdx.x; i < (c1 - c0) * B; i += kThreads) {
-            const int c = c0 + i / B, b = i % B;
-            float x[8], wf[8];
+        for (int c = c0 + threadIdx.x; c < c1; c += kThreads) {
+            float4 xa[B], xb[B];
+            uint4 w;
             if (stashed) {
-                unpack8(stash[(i / B) * (B + 1) + b], x);
-                unpack8(stash[(i / B) * (B + 1) + B], wf);
+#pragma unroll
+                for (int b = 0; b < B; b++) {
+                    float x[8];
+                    unpack8(stash[(c - c0) * (B + 1) + b], x);
+                    xa[b] = make_float4(x[0], x[1], x[2], x[3]), xb[b] = make_float4(x[4], x[5], x[6], x[7]);
+                }
+                w = stash[(c - c0) * (B + 1) + B];
             } else {
-                const float4 *row = reinterpret_cast<const float4 *>(resid_of(p, layer) + (size_t)b * H) + 2 * c;
-                const float4 u = round_bf16(load_l2(row)), v = round_bf16(load_l2(row + 1));
-                const float y[8] = {u.x, u.y, u.z, u.w, v.x, v.y, v.z, v.w};
+                load_x_chunk<B>(p, layer, c, xa, xb);
 #pragma unroll
-                for (int j = 0; j < 8; j++) x[j] = y[j];
-                unpack8(reinterpret_cast<const uint4 *>(norm)[c], wf);
+                for (int b = 0; b < B; b++) xa[b] = round_bf16(xa[b]), xb[b] = round_bf16(xb[b]);
+                w = reinterpret_cast<const uint4 *>(norm)[c];
             }
-            uint4 out;
-            uint32_t *o = reinterpret_cast<uint32_t *>(&out);
-#pragma unroll
-            for (int j = 0; j < 4; j++)
-                o[j] = pack_bf16(round_bf16(x[2 * j] * rms(b)) * wf[2 * j],
-                                 round_bf16(x[2 * j + 1] * rms(b)) * wf[2 * j + 1]);
-            store_in_chunk(p.normed_image, b, c, out);
+            store_normed_chunk<B>(p.normed_image, c, xa, xb, rms.rms, w);
         }
     } else {  // the staged input is the normed one: copy the share
         const uint4 *src = reinterpret_cast<const uint4 *>(smem + b0 * kInBlockBytes);
