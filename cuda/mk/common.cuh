@@ -628,9 +628,12 @@ __device__ __forceinline__ void wgmma_steps(float (&c)[kChains][4], const uint4 
         for (int v = 0; v < 4; v++) cute::warpgroup_fence_operand(c[j][v]);
 }
 
-constexpr int kStepsInFlight = 8;  // 32-wide k steps whose weight loads a lane issues together
+// 32-wide k steps whose weight loads a lane issues together (a burst): tile_dot's default, and
+// every GEMV's but the layer's tail tiles' up to kLongBurstMaxBatch rows (tail_burst).
+constexpr int kStepsInFlight = 8;
 
-// c += rows lo, hi (lane's rows g, g + 8) . input row g over k in [ka, kb) (multiples of 32):
+// c += rows lo, hi (lane's rows g, g + 8) . input row g over k in [ka, kb) (multiples of 32), in
+// bursts of kSteps steps:
 // with wgmma (kWg, the whole warpgroup at once; in_addr the input's address) or mma.sync
 // (in_addr the lane's ldmatrix address). Row-major weights hold the lane's column k at lo + k;
 // tiled ones (kTiled) at lo + 16 k.
@@ -638,7 +641,7 @@ constexpr int kStepsInFlight = 8;  // 32-wide k steps whose weight loads a lane 
 // when stage_now: its loads first, its math after the first burst's loads, or before any weight
 // load when the unit is shorter than a burst): each burst's loads are issued before the wait
 // (once the input is complete, the wait passes at once).
-template <bool kWg, bool kTiled, class Stage = NoStaging>
+template <bool kWg, bool kTiled, class Stage = NoStaging, int kSteps = kStepsInFlight>
 __device__ __forceinline__ void tile_dot(const bf16 *lo, const bf16 *hi, uint32_t in_addr, int ka, int kb, float c[4],
                                          uint64_t *ready, uint32_t parity, const Stage &stage = {},
                                          bool stage_now = false) {
@@ -649,12 +652,12 @@ __device__ __forceinline__ void tile_dot(const bf16 *lo, const bf16 *hi, uint32_
         st.load();
         asm volatile("" ::: "memory");  // its loads issue before the burst's
     }
-    uint4 wl[kStepsInFlight], wh[kStepsInFlight];
+    uint4 wl[kSteps], wh[kSteps];
     float acc[kChains][4] = {};
 #pragma unroll 1
-    for (; k + 32 * kStepsInFlight <= kb; k += 32 * kStepsInFlight) {
+    for (; k + 32 * kSteps <= kb; k += 32 * kSteps) {
 #pragma unroll
-        for (int i = 0; i < kStepsInFlight; i++) {
+        for (int i = 0; i < kSteps; i++) {
             wl[i] = load_weight<kTiled>(lo + kScale * (k + 32 * i));
             wh[i] = load_weight<kTiled>(hi + kScale * (k + 32 * i));
         }
@@ -664,10 +667,10 @@ __device__ __forceinline__ void tile_dot(const bf16 *lo, const bf16 *hi, uint32_
         }
         if (ready) mbar_wait(ready, parity);
         if (kWg) {
-            wgmma_steps<kStepsInFlight>(acc, wl, wh, in_desc(in_addr, k));
+            wgmma_steps<kSteps>(acc, wl, wh, in_desc(in_addr, k));
         } else {
 #pragma unroll
-            for (int i = 0; i < kStepsInFlight; i++)
+            for (int i = 0; i < kSteps; i++)
                 mma_k32(acc[i % kChains], wl[i], wh[i], load_in_k32(in_addr, k + 32 * i));
         }
     }
@@ -693,7 +696,7 @@ __device__ __forceinline__ void tile_dot(const bf16 *lo, const bf16 *hi, uint32_
 // other Dots, with shared scratch and mma.sync only: kWarpgroups false).
 // With a Stage (kStaged; mma.sync only), gemv passes `first` (the warp's first unit: the staging
 // runs there) and runs the staging itself for a warp that has no unit.
-template <bool kTiledLayout, class Stage = NoStaging>
+template <bool kTiledLayout, class Stage = NoStaging, int kSteps = kStepsInFlight>
 struct TileDotT {
     // has warpgroup(): tiles in fours run as wgmma (not with a Stage: the staging's code once less)
     static constexpr bool kWarpgroups = !Stage::kActive;
@@ -704,11 +707,11 @@ struct TileDotT {
     Stage stage = {};
     __device__ __forceinline__ void operator()(const bf16 *lo, const bf16 *hi, uint32_t lane_addr, int ka, int kb,
                                                float c[4], char *, bool first = false) const {
-        tile_dot<false, kTiled>(lo, hi, lane_addr, ka, kb, c, ready, parity, stage, first);
+        tile_dot<false, kTiled, Stage, kSteps>(lo, hi, lane_addr, ka, kb, c, ready, parity, stage, first);
     }
     __device__ __forceinline__ void warpgroup(const bf16 *lo, const bf16 *hi, uint32_t in_addr, int ka, int kb,
                                               float c[4]) const {
-        tile_dot<true, kTiled>(lo, hi, in_addr, ka, kb, c, ready, parity);
+        tile_dot<true, kTiled, NoStaging, kSteps>(lo, hi, in_addr, ka, kb, c, ready, parity);
     }
 };
 using TileDot = TileDotT<true>;
@@ -789,6 +792,19 @@ __device__ __forceinline__ void gemv(Row row, int n_rows, const bf16 *in, int K,
         }
         __syncthreads();
     }
+}
+
+// A layer's o-proj and DOWN tiles run in its tail, where fewer SMs stream and DRAM is below its
+// peak: up to this batch size their bursts are longer, so that a tile takes fewer round trips.
+// An o-proj warp's share of its tile (16 rows x 512 columns) is one burst of 16 steps instead of
+// two of 8, a DOWN warpgroup's (64 rows x an expert's 768) two of 12 instead of three: batch 1
+// +0.9% each. What streams beside attention pays in attention's time: GATE_UP's bursts of 16
+// gained 0.5% alone (attention's tasks 12.8 -> 14.1 us) and lost 2.3% beside DOWN's of 12; every
+// GEMV's bursts of 16 lost 5-7% in session 18 (benchmarks/NOTES.md, session 36).
+constexpr int kLongBurstMaxBatch = 2;
+template <int B>
+constexpr int tail_burst(int steps) {
+    return B <= kLongBurstMaxBatch ? steps : kStepsInFlight;
 }
 
 // Up to this batch size a GEMV over a layer's normed input stages it while the warps' first

@@ -90,8 +90,9 @@ __device__ void run_down(const Params &p, int layer, int tile, int y, char *smem
     }
     const ImageCopy copy = stage_image(smem, s.in, reinterpret_cast<const bf16 *>(act_image(p, y)), in_bytes(w.inter));
     const bf16 *W = w.down + (size_t)r0 * w.inter;
+    using Dot = TileDotT<true, NoStaging, tail_burst<B>(12)>;  // an expert's 768 columns: two bursts
     gemv([&](int r) { return W + (size_t)r * w.inter; }, n, s.in, w.inter, s.out, s.red,
-         TileDot{copy.full, copy.parity});  // its closing barrier publishes ks and kw too
+         Dot{copy.full, copy.parity});  // its closing barrier publishes ks and kw too
     stage_image_end(smem, copy);
     // Weighted as the reference weighs them, bf16(w * bf16(out)), into the next layer's sums:
     // each thread four rows of one batch row, by one vector reduction (n % 16 == 0).

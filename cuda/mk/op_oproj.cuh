@@ -18,7 +18,8 @@ __device__ void run_oproj(const Params &p, int layer, int tile, char *smem) {
     const float x0 = threadIdx.x < n * B ? load_l2(x + (size_t)(threadIdx.x % B) * H + r0 + threadIdx.x / B) : 0.f;
     const ImageCopy copy = stage_image(smem, s.in, p.attn, in_bytes(Q));
     const bf16 *W = p.layers[layer].o + (size_t)r0 * Q;
-    gemv([&](int r) { return W + (size_t)r * Q; }, n, s.in, Q, s.out, s.red, TileDot{copy.full, copy.parity});
+    using Dot = TileDotT<true, NoStaging, tail_burst<B>(16)>;  // a warp's share in one burst
+    gemv([&](int r) { return W + (size_t)r * Q; }, n, s.in, Q, s.out, s.red, Dot{copy.full, copy.parity});
     stage_image_end(smem, copy);
     // x + attn, rounded as the reference rounds it, into the next layer's sums (the DOWN tiles add
     // the mlp half); the layer after next's sums, read last by the layer before this one, zeroed
