@@ -536,6 +536,15 @@ NMK_API nmk_status nmk_schedule_check(const nmk_mk_geometry *geometry, const nmk
                                       const nmk_task *tasks, const uint32_t *sm_offsets, uint32_t num_sms,
                                       const uint32_t *queue_offsets);
 
+/* spans[i] = how many counters tasks[i] waits on, each until it reaches its target: counters
+ * wait .. wait + span - 1 (v0.6: hidden / NMK_MK_BLOCK_COLS for a reader of a layer's input,
+ * 1 for any other task with a wait, 0 for wait = -1), for i < count. The rule the builder, the
+ * checker and the kernel follow, for tools that replay a schedule. tasks and spans may be NULL
+ * only when count is 0. NMK_ERR_INVALID_ARGUMENT for a NULL argument or a geometry the
+ * schedule cannot take. Host only; always available. */
+NMK_API nmk_status nmk_schedule_wait_spans(const nmk_mk_geometry *geometry, const nmk_task *tasks, size_t count,
+                                           uint32_t *spans);
+
 /* ---- the megakernel (CUDA builds; NMK_ERR_UNSUPPORTED otherwise) ---- */
 
 /* Device pointers (bf16 unless noted) in the layout of northmk/model/weights.py, except those

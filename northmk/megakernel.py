@@ -18,7 +18,7 @@ from ctypes import POINTER, byref, c_float, c_int32, c_uint8, c_uint16, c_uint32
 import numpy as np
 import torch
 
-from .config import DENSE, PAGE_SIZE, SLIDING, ModelConfig
+from .config import PAGE_SIZE, SLIDING, ModelConfig
 from .model.kv import PagedKVCache
 from .model.weights import ModelWeights, tile_experts_, to_tiled
 from .native._lib import KV_MAX_GROUPS, check, load
@@ -120,6 +120,8 @@ _PROTOTYPES = {
     # nmk_status nmk_schedule_check(const nmk_mk_geometry *, const nmk_plan *, const nmk_task *,
     #                               const uint32_t *sm_offsets, uint32_t num_sms, const uint32_t *queue_offsets)
     "nmk_schedule_check": (c_int32, [POINTER(Geometry), POINTER(Plan), c_void_p, c_void_p, c_uint32, c_void_p]),
+    # nmk_status nmk_schedule_wait_spans(const nmk_mk_geometry *, const nmk_task *, size_t count, uint32_t *spans)
+    "nmk_schedule_wait_spans": (c_int32, [POINTER(Geometry), c_void_p, ctypes.c_size_t, c_void_p]),
     # nmk_status nmk_mk_create(const nmk_mk_geometry *, const nmk_mk_weights *, nmk_mk **out)
     "nmk_mk_create": (c_int32, [POINTER(Geometry), POINTER(Weights), POINTER(c_void_p)]),
     # void nmk_mk_destroy(nmk_mk *)
@@ -271,21 +273,18 @@ class Schedule:
         return self.tasks[self.queue_offsets[q]:self.queue_offsets[q + 1]]
 
 
-def block_waiters(config: ModelConfig, op: np.ndarray, layer: np.ndarray) -> np.ndarray:
-    """Which tasks (their opcodes and layers) read a layer's input (or the last layer's
-    output), so wait on its block counters: QKV, ROUTER, LM_HEAD and a dense layer's GATE_UP."""
-    op, layer = np.asarray(op, dtype=np.int64), np.asarray(layer, dtype=np.int64)
-    dense = np.array([t == DENSE for t in config.mlp_types], dtype=bool)
-    reads_input = np.isin(op, (Opcode.QKV, Opcode.ROUTER, Opcode.LM_HEAD))
-    return reads_input | ((op == Opcode.GATE_UP) & dense[np.clip(layer, 0, len(dense) - 1)])
-
-
 def wait_spans(config: ModelConfig, tasks: np.ndarray) -> np.ndarray:
     """Per task of a TASK_DTYPE array: how many counters it waits on, each until it reaches the
-    task's target: counters wait .. wait + span - 1 (task semantics v0.6). hidden / BLOCK_COLS
-    for the block waiters (block_waiters), 1 for any other task with a wait, 0 without one."""
-    span = np.where(block_waiters(config, tasks["op"], tasks["layer"]), config.hidden_size // BLOCK_COLS, 1)
-    return np.where(tasks["wait"].astype(np.int64) >= 0, span, 0)
+    task's target: counters wait .. wait + span - 1 (task semantics v0.6): hidden / BLOCK_COLS
+    for a reader of a layer's input (QKV, ROUTER, a dense layer's GATE_UP, LM_HEAD), 1 for any
+    other task with a wait, 0 without one. The library's rule (nmk_schedule_wait_spans), the
+    one its builder, checker and kernel follow."""
+    tasks = np.ascontiguousarray(tasks, dtype=TASK_DTYPE)
+    spans = np.zeros(len(tasks), dtype=np.uint32)
+    geometry = _GeometryRef(config)
+    check(_lib().nmk_schedule_wait_spans(byref(geometry.value), tasks.ctypes.data if len(tasks) else None, len(tasks),
+                                         spans.ctypes.data if len(tasks) else None))
+    return spans.astype(np.int64)
 
 
 def check_schedule(config: ModelConfig, plan: dict[str, int], tasks: np.ndarray, sm_offsets: np.ndarray,

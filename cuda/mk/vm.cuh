@@ -10,6 +10,7 @@
 #include "op_oproj.cuh"
 #include "op_qkv.cuh"
 #include "op_router.cuh"
+#include "schedule/block_wait.hpp"
 
 namespace nmk::mk {
 
@@ -42,10 +43,9 @@ __device__ __forceinline__ void wait_for_blocks(const Params &p, int c, int n, u
 }
 
 // Tasks that read a layer's input (or the last layer's output, the LM head) wait on its column
-// blocks' counters, from t.wait (task semantics v0.6; the schedule's block_waiter).
+// blocks' counters, from t.wait (task semantics v0.6; the rule the schedule's builder uses).
 __device__ __forceinline__ bool waits_for_blocks(const Params &p, const nmk_task &t) {
-    return t.op == NMK_OP_QKV || t.op == NMK_OP_ROUTER || t.op == NMK_OP_LM_HEAD ||
-           (t.op == NMK_OP_GATE_UP && p.layers[t.layer].dense);
+    return schedule::waits_on_blocks(t.op, [&] { return p.layers[t.layer].dense; });
 }
 
 // Tasks that wait for their input themselves, each chunk for its block, after their first weight

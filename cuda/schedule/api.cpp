@@ -67,6 +67,16 @@ NMK_API nmk_status nmk_schedule_queues(const nmk_schedule *schedule, const uint3
     return NMK_OK;
 }
 
+NMK_API nmk_status nmk_schedule_wait_spans(const nmk_mk_geometry *geometry, const nmk_task *tasks, size_t count,
+                                           uint32_t *spans) {
+    NMK_REQUIRE(geometry && ((tasks && spans) || count == 0), "nmk_schedule_wait_spans: NULL argument");
+    return nmk::guard("nmk_schedule_wait_spans", [&] {
+        auto g = geometry_of(geometry);
+        for (size_t i = 0; i < count; i++) spans[i] = static_cast<uint32_t>(nmk::schedule::wait_span(g, tasks[i]));
+        return NMK_OK;
+    });
+}
+
 NMK_API nmk_status nmk_schedule_check(const nmk_mk_geometry *geometry, const nmk_plan *plan,
                                       const nmk_task *tasks, const uint32_t *sm_offsets, uint32_t num_sms,
                                       const uint32_t *queue_offsets) {

@@ -274,8 +274,7 @@ FlatSchedule flatten(const Schedule &s) {
 }
 
 bool block_waiter(const Geometry &g, int op, int layer) {
-    return op == NMK_OP_QKV || op == NMK_OP_ROUTER || op == NMK_OP_LM_HEAD ||
-           (op == NMK_OP_GATE_UP && layer < g.num_layers && g.dense[layer]);
+    return waits_on_blocks(op, [&] { return layer < g.num_layers && g.dense[layer]; });
 }
 int wait_span(const Geometry &g, const nmk_task &t) {
     return t.wait < 0 ? 0 : block_waiter(g, t.op, t.layer) ? g.hidden / kBlockCols : 1;

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "northmk.h"
+#include "schedule/block_wait.hpp"
 
 namespace nmk::schedule {
 
@@ -115,9 +116,8 @@ void check(const Geometry &g, const nmk_plan &plan, const TaskLists &per_sm, con
 void check_plan(const Geometry &g, const nmk_plan &plan);
 
 // Whether tasks of op at layer read that layer's input (LM_HEAD: the last layer's output) and
-// so wait on its block counters, hidden / kBlockCols of them from their wait (v0.6): QKV,
-// ROUTER, LM_HEAD and a dense layer's GATE_UP. wait_span: how many counters a task waits on
-// (0: none).
+// so wait on its block counters, hidden / kBlockCols of them from their wait (v0.6:
+// waits_on_blocks). wait_span: how many counters a task waits on (0: none).
 bool block_waiter(const Geometry &g, int op, int layer);
 int wait_span(const Geometry &g, const nmk_task &t);
 

@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 
 from northmk.config import ModelConfig
-from northmk.megakernel import BLOCK_COLS, MAX_SPLITS, Opcode, Schedule, check_schedule, unsupported_reason
+from northmk.megakernel import (
+    BLOCK_COLS, MAX_SPLITS, TASK_DTYPE, Opcode, Schedule, check_schedule, unsupported_reason, wait_spans,
+)
 from northmk.megakernel_interpreter import execution_order
 from northmk.native import NativeError
 
@@ -466,6 +468,33 @@ def test_bad_requests_get_clear_errors():
         Schedule(SMALL, 0, [10])
     with pytest.raises(NativeError, match="head_dim must be 128"):
         Schedule(north(num_layers=2, head_dim=64), 8, [10])
+
+
+def test_wait_spans_are_the_librarys_rule():
+    """A reader of a layer's input (QKV, ROUTER, a dense layer's GATE_UP, the LM head of the last
+    layer's output) waits on its block counters, any other waiting task on one, a task with no
+    wait on none: the rule nmk_schedule_wait_spans shares with the builder, checker and kernel."""
+    rows = [(Opcode.QKV, 1, 7), (Opcode.ROUTER, 2, 7), (Opcode.GATE_UP, 0, 7), (Opcode.GATE_UP, 1, 7),
+            (Opcode.LM_HEAD, SMALL.num_layers, 7), (Opcode.OPROJ, 1, 7), (Opcode.DOWN, 1, 7), (Opcode.NORM, 0, -1),
+            (Opcode.QKV, 0, -1)]
+    tasks = np.zeros(len(rows), dtype=TASK_DTYPE)
+    tasks["op"], tasks["layer"], tasks["wait"] = zip(*rows)
+    blocks = SMALL.hidden_size // BLOCK_COLS
+    assert wait_spans(SMALL, tasks).tolist() == [blocks, blocks, blocks, 1, blocks, 1, 1, 0, 0]
+    assert wait_spans(SMALL, tasks[:0]).tolist() == []
+    # the spans of a built schedule: its group waits are exactly the checked ones (the checker
+    # counts each waiter's signallers over its whole span)
+    s = Schedule(SMALL, 8, [100])
+    spans = s.wait_spans()
+    assert set(spans.tolist()) == {0, 1, blocks}
+    assert (spans[s.tasks["op"] == Opcode.LM_HEAD] == blocks).all()
+    check(SMALL, s)
+
+
+def test_wait_spans_refuse_a_geometry_the_schedule_cannot_take():
+    tasks = np.zeros(1, dtype=TASK_DTYPE)
+    with pytest.raises(NativeError, match="head_dim must be 128"):
+        wait_spans(north(num_layers=2, head_dim=64), tasks)
 
 
 @pytest.mark.parametrize("overrides, message, reason", [

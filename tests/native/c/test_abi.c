@@ -55,6 +55,14 @@ int main(void) {
         nmk_loop_params lp = nmk_loop_default_params();
         CHECK(lp.max_rows == 8 && lp.ring_capacity >= lp.max_rows && lp.step == NULL);
     }
+    {  /* the schedule's wait spans: NULL refused unless there is nothing to fill */
+        nmk_task task;
+        uint32_t span = 7;
+        memset(&task, 0, sizeof task);
+        CHECK_STATUS(nmk_schedule_wait_spans(NULL, &task, 1, &span), NMK_ERR_INVALID_ARGUMENT);
+        CHECK(nmk_last_error(buf, sizeof buf) > 0 && strstr(buf, "nmk_schedule_wait_spans") != NULL);
+        CHECK(span == 7);
+    }
     puts("test_abi: ok");
     return 0;
 }
