@@ -800,7 +800,9 @@ __device__ __forceinline__ void gemv(Row row, int n_rows, const bf16 *in, int K,
 // two of 8, a DOWN warpgroup's (64 rows x an expert's 768) two of 12 instead of three: batch 1
 // +0.9% each. What streams beside attention pays in attention's time: GATE_UP's bursts of 16
 // gained 0.5% alone (attention's tasks 12.8 -> 14.1 us) and lost 2.3% beside DOWN's of 12; every
-// GEMV's bursts of 16 lost 5-7% in session 18 (benchmarks/NOTES.md, session 36).
+// GEMV's bursts of 16 lost 5-7% in session 18 (benchmarks/NOTES.md, session 36). A burst must
+// divide the unit's steps: tile_dot runs the steps past its last whole burst one at a time, a
+// round trip each (DOWN's 24 steps in bursts of 16: 6.5 -> 9.8 us a task).
 constexpr int kLongBurstMaxBatch = 2;
 template <int B>
 constexpr int tail_burst(int steps) {
