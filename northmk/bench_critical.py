@@ -207,11 +207,16 @@ def schedule_fields(schedule) -> tuple[np.ndarray, ...]:
 
 # Up to POST_SCALED_MAX_BATCH rows the QKV and ROUTER tiles wait for their counters inside their
 # run, each chunk of their input for its column block's, after their first weight burst is
-# issued (vm.cuh's own_wait, common.cuh's gemv_normed): their start stamp precedes the wait.
-def waits_in_run(op: np.ndarray, batch: int) -> np.ndarray:
-    """Which tasks (their opcodes, of a step of `batch` rows) wait for their counters inside
-    their run, as the kernel's own_wait."""
-    return np.isin(np.asarray(op), (Opcode.QKV, Opcode.ROUTER)) & (batch <= POST_SCALED_MAX_BATCH)
+# issued (vm.cuh's own_wait, common.cuh's gemv_normed); at any batch a sparse layer's GATE_UP
+# task (the one whose wait is a single counter, the routing's: a dense layer's waits on its
+# input's column blocks) polls the routing's slot table inside its run (op_mlp.cuh's
+# slot_expert_of). Their start stamp precedes the wait.
+def waits_in_run(op: np.ndarray, batch: int, span: np.ndarray) -> np.ndarray:
+    """Which tasks (their opcodes and wait spans, of a step of `batch` rows) wait for their
+    counters inside their run, as the kernel does."""
+    op = np.asarray(op)
+    staged = np.isin(op, (Opcode.QKV, Opcode.ROUTER)) & (batch <= POST_SCALED_MAX_BATCH)
+    return staged | ((op == Opcode.GATE_UP) & (np.asarray(span) == 1))
 
 
 def counter_done(times: np.ndarray, wait: np.ndarray, target: np.ndarray, signal: np.ndarray,
@@ -234,7 +239,7 @@ def check_times(times: np.ndarray, schedule) -> tuple[np.ndarray, ...]:
         raise ValueError(f"the times have {len(times)} tasks, the schedule {len(op)}: another batch, context or SM count?")
     if not ((times[:, 3] & 0xFF) == op).all() or not (((times[:, 3] >> 8) & 0xFF) == layer).all():
         raise ValueError("the times' opcodes and layers differ from the schedule's: another batch, context or SM count?")
-    inside = waits_in_run(op, int(schedule.plan["batch"])) & (wait >= 0) & (target > 0)
+    inside = waits_in_run(op, int(schedule.plan["batch"]), span) & (wait >= 0) & (target > 0)
     if inside.any():
         times = times.copy()
         times[inside, 1] = np.maximum(times[inside, 1], counter_done(times, wait, target, signal, span)[inside])
@@ -292,7 +297,8 @@ def opcode_means(times: np.ndarray, layers: tuple[int, int] | None = None) -> di
     two and the last two, whose tasks overlap the step's start and end), their mean run and
     mean wait (us): how two builds' steps differ opcode by opcode. The timing records' upper 32
     bits (a build's diagnostic marks) are ignored. Without the schedule, a task that waits inside
-    its run (waits_in_run: QKV and ROUTER up to two rows) counts that wait in its run."""
+    its run (waits_in_run: QKV and ROUTER up to two rows, a sparse layer's GATE_UP) counts that
+    wait in its run."""
     times = np.asarray(times, dtype=np.int64)
     if times.ndim != 2 or times.shape[1] != 4 or len(times) == 0:
         raise ValueError(f"times must be [N, 4] with N > 0; got {times.shape}")

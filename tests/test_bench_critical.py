@@ -186,10 +186,11 @@ def test_a_scheduled_step_chains_from_its_first_task_to_its_last():
         assert times[link.task, 1] >= times[before.task, 2]
 
 
-def test_qkv_and_router_tiles_that_wait_inside_their_run_are_read_from_their_counters_completion():
+def test_tasks_that_wait_inside_their_run_are_read_from_their_counters_completion():
     # Up to two rows QKV and ROUTER tasks are stamped as started before their wait for their
-    # layer's input (vm.cuh's own_wait): the tools that have the schedule read their run from
-    # the completion of the last of their counters.
+    # layer's input (vm.cuh's own_wait), and a sparse layer's GATE_UP before its poll of the
+    # routing: the tools that have the schedule read their run from the completion of the last
+    # of their counters.
     for rows, inside in (([128, 128], True), ([128], True), ([128, 128, 128], False)):
         schedule = Schedule(bench.geometry("mk-small"), 4, rows)
         times = timed_step(schedule)
@@ -208,9 +209,20 @@ def test_qkv_and_router_tiles_that_wait_inside_their_run_are_read_from_their_cou
             assert all(link.gap_ns >= 0 for link in critical_path(checked, *fields))
         else:
             assert (checked == early).all()
-    ops = np.array([Opcode.QKV, Opcode.ROUTER, Opcode.NORM, Opcode.GATE_UP, Opcode.LM_HEAD])
-    assert waits_in_run(ops, 2).tolist() == [True, True, False, False, False]
-    assert not waits_in_run(ops, 3).any()
+        # At any batch size a sparse layer's GATE_UP (its wait the routing's one counter) polls
+        # the routing's table inside its run; a dense layer's (its input's blocks) waits first.
+        done = counter_done(times, wait, target, signal, span)
+        gate_up = op == Opcode.GATE_UP
+        assert (gate_up & (span == 1)).any() and (gate_up & (span == 2)).any()
+        early = times.copy()
+        early[gate_up, 1] = done[gate_up] - 700
+        checked = check_times(early, schedule)[0]
+        assert (checked[gate_up & (span == 1), 1] == done[gate_up & (span == 1)]).all()
+        assert (checked[gate_up & (span == 2), 1] == early[gate_up & (span == 2), 1]).all()
+    ops = np.array([Opcode.QKV, Opcode.ROUTER, Opcode.NORM, Opcode.GATE_UP, Opcode.GATE_UP, Opcode.LM_HEAD])
+    spans = np.array([2, 2, 0, 1, 2, 2])  # the first GATE_UP a sparse layer's (the routing), the second a dense one's
+    assert waits_in_run(ops, 2, spans).tolist() == [True, True, False, True, False, False]
+    assert waits_in_run(ops, 3, spans).tolist() == [False, False, False, True, False, False]
 
 
 def test_times_of_another_schedule_are_refused():

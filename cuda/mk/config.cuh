@@ -90,7 +90,7 @@ struct Params {
     float *q;          // [B, Q] rotated queries
     float *part;       // [B, kv_heads, MAX_SPLITS, group, head_dim + 2]: acc, max, sum
     bf16 *attn;        // [B, Q] as o-proj's GEMV input in shared memory (in_bytes(Q), in_offset)
-    int32_t *slot_expert;  // [slots] expert of each mlp slot, -1 unused
+    int32_t *slot_expert;  // [slots] expert of each mlp slot (-1 unused) tagged with layer + 1 (op_mlp slot_expert_of)
     int32_t *slot_k;       // [slots, B] which of the row's top-k picked this slot, -1 none
     float *slot_w;         // [slots, B] that pick's routing weight (DOWN applies it)
     bf16 *act;             // [slots] DOWN's GEMV input images, in_bytes(max(I, D)) each (op_mlp's act_image)

@@ -183,6 +183,7 @@ void alloc_scratch(nmk_mk &mk, const nmk_mk_geometry &g) {
     const size_t act_bytes = slots * nmk::mk::in_bytes(std::max(g.moe_inter, g.dense_inter));
     p.act = device_alloc<bf16>(act_bytes / sizeof(bf16), mk.owned);
     cuda_check(cudaMemset(p.act, 0, act_bytes), "zero activations");
+    cuda_check(cudaMemset(p.slot_expert, 0, slots * sizeof(int32_t)), "zero the slot table (no layer's routing)");
     p.lm_best = device_alloc<float>(B * (g.vocab / 8 + 1), mk.owned);
     p.lm_best_index = device_alloc<int32_t>(B * (g.vocab / 8 + 1), mk.owned);
 }

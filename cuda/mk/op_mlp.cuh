@@ -17,16 +17,23 @@ __device__ __forceinline__ SlotWeights expert_weights(const Params &p, const Lay
     return {L.experts_gate_up + e * per, L.experts_down + e * per / 2, p.moe_inter};
 }
 
-// Slot y's expert in a sparse layer, as the layer's routing published it. The CTA's first
-// GATE_UP or DOWN task of the layer loads the whole slot table (one load a thread) into
-// Kept; its later tasks of the layer read it there. Both opcodes run after the routing (GATE_UP
-// waits for it, DOWN for its slot's GATE_UP), and the next layer's routing runs after every
-// DOWN of this one, so the table is the layer's for as long as a task of the layer reads it.
+// Slot y's expert in a sparse layer, as the layer's routing published it: route() stores each
+// slot's word as its expert (low 16 bits) tagged with layer + 1 (high 16 bits), by a release
+// store, so a GATE_UP task polls the table itself instead of the routing's counter and then the
+// table (one L2 round trip fewer before its weights stream); the step's last CTA zeroes the
+// words. The CTA's first GATE_UP or DOWN task of the layer loads the table into Kept; its later
+// tasks of the layer read it there. DOWN runs after its slot's GATE_UP, and the next layer's
+// routing after every DOWN of this one, so the table is the layer's for as long as a task of the
+// layer reads it.
 __device__ __forceinline__ int slot_expert_of(const Params &p, int layer, int y, char *smem) {
     Kept &k = kept(smem);
     if (k.slots_layer != layer) {  // every thread reads the same Kept
-        if (threadIdx.x < p.plan.expert_slots)
-            k.slot_expert[threadIdx.x] = static_cast<int16_t>(load_l2(p.slot_expert + threadIdx.x));
+        if (threadIdx.x < p.plan.expert_slots) {
+            const uint32_t *word = reinterpret_cast<const uint32_t *>(p.slot_expert) + threadIdx.x;
+            uint32_t v;
+            while (((v = load_acquire(word)) >> 16) != (uint32_t)layer + 1) __nanosleep(20);
+            k.slot_expert[threadIdx.x] = static_cast<int16_t>(v & 0xffffu);
+        }
         __syncthreads();
         if (threadIdx.x == 0) k.slots_layer = layer;  // every thread has read it: the barrier above
     }

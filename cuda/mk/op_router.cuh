@@ -4,9 +4,10 @@
 // input, as a GEMV image, to normed_image, which the sparse GATE_UP tasks stage by one bulk
 // copy. The last tile to finish routes the layer from all the logits (top-k by raw logit,
 // ties to the lower id, weight = sigmoid(logit) with no renormalization, picks in ascending
-// expert id, one mlp slot per distinct expert) and publishes slot_expert (GATE_UP, DOWN) and
-// slot_k and slot_w (DOWN, which weighs its outputs), before its signal: a GATE_UP task starts
-// with one load of its slot's expert and streams its weights while its input lands.
+// expert id, one mlp slot per distinct expert) and publishes slot_k and slot_w (DOWN, which
+// weighs its outputs), then slot_expert (GATE_UP, DOWN) tagged with the layer, before its
+// signal: a sparse GATE_UP task polls its slot's expert there rather than the signal's counter
+// (op_mlp's slot_expert_of) and streams its weights while its input lands.
 #pragma once
 
 #include "common.cuh"
@@ -98,13 +99,16 @@ __device__ void route(const Params &p, int layer, char *smem) {
 #pragma unroll 1
     for (int i = threadIdx.x; i < p.plan.expert_slots * (B + 1); i += kThreads) {
         const int y = i / (B + 1), b = i % (B + 1), e = y < r.slots ? r.slot_expert[y] : -1;
-        if (b == B) {
-            p.slot_expert[y] = e;
-            continue;
-        }
+        if (b == B) continue;
         const int k = e < 0 ? -1 : r.k_of[b][e];
         p.slot_k[y * B + b] = k;
         p.slot_w[y * B + b] = k < 0 ? 0.f : round_bf16(1.f / (1.f + expf(-r.logit[b][e])));
+    }
+    __syncthreads();  // the slots' rows and weights, then their experts' words (slot_expert_of)
+    if (threadIdx.x < p.plan.expert_slots) {
+        const int e = threadIdx.x < r.slots ? r.slot_expert[threadIdx.x] : -1;
+        st_release(reinterpret_cast<uint32_t *>(p.slot_expert) + threadIdx.x,
+                   ((uint32_t)layer + 1) << 16 | ((uint32_t)e & 0xffffu));
     }
     if (p.debug_experts)
 #pragma unroll 1

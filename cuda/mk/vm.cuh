@@ -17,8 +17,8 @@ namespace nmk::mk {
 // Waits until counter `c` reaches target: thread 0 polls with acquire loads, then a barrier.
 // Counters only grow during a step, so once the CTA has acquired a counter at a target (the
 // last such wait, in Kept) a wait for no more than that passes without a poll: the writes it
-// orders were acquired then (queue tasks of one opcode wait on one counter, GATE_UP's on the
-// routing, o-proj's on attention).
+// orders were acquired then (queue tasks of one opcode wait on one counter: attention's on
+// QKV, o-proj's on attention).
 __device__ __forceinline__ void wait_for(const Params &p, int c, uint32_t target, char *smem) {
     Kept &k = kept(smem);
     if (c == k.seen && target <= k.seen_target) return;  // every thread reads the same Kept
@@ -101,7 +101,9 @@ __device__ __forceinline__ void run_one(const Params &p, uint32_t i, const nmk_t
                                         Fetch fetch) {
     const bool timed = p.timing && i < p.timing_capacity;
     uint64_t waited = timed ? global_ns() : 0;
-    if (t.wait >= 0 && !own_wait<B>(t)) {
+    // a sparse layer's GATE_UP polls the routing's table itself (slot_expert_of)
+    const bool polls_routing = t.op == NMK_OP_GATE_UP && !p.layers[t.layer].dense;
+    if (t.wait >= 0 && !own_wait<B>(t) && !polls_routing) {
         if (waits_for_blocks(p, t)) wait_for_blocks(p, t.wait, p.hidden / NMK_MK_BLOCK_COLS, t.target);
         else wait_for(p, t.wait, t.target, smem);
     }
@@ -185,6 +187,7 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(const __grid_constant_
         if (atomicAdd(finished, 1u) == gridDim.x - 1) {
             for (int c = 0; c < p.plan.num_counters; c++) p.counters[c] = 0;
             for (int q = 0; q < p.plan.num_queues; q++) finished[1 + q] = 0;  // claim heads
+            for (int y = 0; y < p.plan.expert_slots; y++) p.slot_expert[y] = 0;  // no layer's routing
             *finished = 0;
             __threadfence();
         }
