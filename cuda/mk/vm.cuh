@@ -48,10 +48,12 @@ __device__ __forceinline__ bool waits_for_blocks(const Params &p, const nmk_task
     return schedule::waits_on_blocks(t.op, [&] { return p.layers[t.layer].dense; });
 }
 
-// Tasks that wait for their input themselves, each chunk for its block, after their first weight
-// burst is issued (gemv_normed): QKV and ROUTER tiles up to kStagedMaxBatch rows.
+// Tasks that wait for their input themselves, not the VM before they run: QKV and ROUTER tiles up
+// to kStagedMaxBatch rows, each chunk for its block after their first weight burst is issued
+// (gemv_normed); a sparse layer's GATE_UP, which polls the routing's slot table (slot_expert_of).
 template <int B>
-__device__ __forceinline__ bool own_wait(const nmk_task &t) {
+__device__ __forceinline__ bool own_wait(const Params &p, const nmk_task &t) {
+    if (t.op == NMK_OP_GATE_UP) return !p.layers[t.layer].dense;
     return B <= kStagedMaxBatch && t.wait >= 0 && (t.op == NMK_OP_ROUTER || t.op == NMK_OP_QKV);
 }
 
@@ -65,9 +67,9 @@ __device__ __forceinline__ void run_task(const Params &p, const nmk_task &t, cha
     switch (t.op) {
         case NMK_OP_NORM: return run_norm<B>(p, t.x, smem);
         case NMK_OP_QKV:
-            return run_qkv<B>(p, t.layer, t.x, smem, own_wait<B>(t) ? p.counters + t.wait : nullptr, t.target);
+            return run_qkv<B>(p, t.layer, t.x, smem, own_wait<B>(p, t) ? p.counters + t.wait : nullptr, t.target);
         case NMK_OP_ROUTER:
-            return run_router<B>(p, t.layer, t.x, smem, own_wait<B>(t) ? p.counters + t.wait : nullptr, t.target);
+            return run_router<B>(p, t.layer, t.x, smem, own_wait<B>(p, t) ? p.counters + t.wait : nullptr, t.target);
         case NMK_OP_ATTN: return run_attention(p, t.layer, t.x, t.y, t.z & 0xff, t.z >> 8, smem);
         case NMK_OP_OPROJ: return run_oproj<B>(p, t.layer, t.x, smem);
         case NMK_OP_GATE_UP: return run_gate_up<B>(p, t.layer, t.x, t.y, smem);
@@ -101,9 +103,7 @@ __device__ __forceinline__ void run_one(const Params &p, uint32_t i, const nmk_t
                                         Fetch fetch) {
     const bool timed = p.timing && i < p.timing_capacity;
     uint64_t waited = timed ? global_ns() : 0;
-    // a sparse layer's GATE_UP polls the routing's table itself (slot_expert_of)
-    const bool polls_routing = t.op == NMK_OP_GATE_UP && !p.layers[t.layer].dense;
-    if (t.wait >= 0 && !own_wait<B>(t) && !polls_routing) {
+    if (t.wait >= 0 && !own_wait<B>(p, t)) {
         if (waits_for_blocks(p, t)) wait_for_blocks(p, t.wait, p.hidden / NMK_MK_BLOCK_COLS, t.target);
         else wait_for(p, t.wait, t.target, smem);
     }
