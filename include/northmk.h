@@ -31,9 +31,10 @@
 extern "C" {
 #endif
 
-/* Bumped on every incompatible change of a declaration below; nmk_abi_version() returns the
- * library's value and bindings refuse a library whose value differs from theirs. */
-#define NMK_ABI_VERSION 9
+/* Bumped on every incompatible change of a declaration below, and when a declaration is added
+ * that the package's bindings call (10: nmk_schedule_waits_in_run); nmk_abi_version() returns
+ * the library's value and bindings refuse a library whose value differs from theirs. */
+#define NMK_ABI_VERSION 10
 
 /* ==== status, errors, versions ==== */
 
@@ -544,6 +545,17 @@ NMK_API nmk_status nmk_schedule_check(const nmk_mk_geometry *geometry, const nmk
  * schedule cannot take. Host only; always available. */
 NMK_API nmk_status nmk_schedule_wait_spans(const nmk_mk_geometry *geometry, const nmk_task *tasks, size_t count,
                                            uint32_t *spans);
+
+/* inside[i] = 1 when tasks[i], a task of a step of `batch` rows, waits for its counters inside its
+ * run rather than before it (so its timing record's start stamp precedes its wait), else 0, for
+ * i < count: a task with a wait that is a QKV or ROUTER tile up to NMK_MK_POST_SCALED_MAX_BATCH
+ * rows (it starts on each block of its input once that block's counter is complete) or a sparse
+ * layer's GATE_UP (it polls the routing itself). The rule the kernel follows, for tools that read
+ * its task times. tasks and inside may be NULL only when count is 0. NMK_ERR_INVALID_ARGUMENT for
+ * a NULL argument, a batch outside 1..NMK_MK_MAX_BATCH, a geometry the schedule cannot take, or a
+ * GATE_UP task whose layer is not below num_layers. Host only; always available. */
+NMK_API nmk_status nmk_schedule_waits_in_run(const nmk_mk_geometry *geometry, uint32_t batch, const nmk_task *tasks,
+                                             size_t count, uint8_t *inside);
 
 /* ---- the megakernel (CUDA builds; NMK_ERR_UNSUPPORTED otherwise) ---- */
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .megakernel import POST_SCALED_MAX_BATCH, Opcode
+from .megakernel import Opcode
 
 HOP, TURN, START = "hop", "turn", "start"
 
@@ -205,20 +205,6 @@ def schedule_fields(schedule) -> tuple[np.ndarray, ...]:
             schedule.wait_spans()[work].astype(np.int64))
 
 
-# Up to POST_SCALED_MAX_BATCH rows the QKV and ROUTER tiles wait for their counters inside their
-# run, each chunk of their input for its column block's, after their first weight burst is
-# issued (vm.cuh's own_wait, common.cuh's gemv_normed); at any batch a sparse layer's GATE_UP
-# task (the one whose wait is a single counter, the routing's: a dense layer's waits on its
-# input's column blocks) polls the routing's slot table inside its run (op_mlp.cuh's
-# slot_expert_of). Their start stamp precedes the wait.
-def waits_in_run(op: np.ndarray, batch: int, span: np.ndarray) -> np.ndarray:
-    """Which tasks (their opcodes and wait spans, of a step of `batch` rows) wait for their
-    counters inside their run, as the kernel does."""
-    op = np.asarray(op)
-    staged = np.isin(op, (Opcode.QKV, Opcode.ROUTER)) & (batch <= POST_SCALED_MAX_BATCH)
-    return staged | ((op == Opcode.GATE_UP) & (np.asarray(span) == 1))
-
-
 def counter_done(times: np.ndarray, wait: np.ndarray, target: np.ndarray, signal: np.ndarray,
                  span: np.ndarray) -> np.ndarray:
     """Per task, the end stamp of the signal that brought the last of its counters to its
@@ -230,16 +216,16 @@ def counter_done(times: np.ndarray, wait: np.ndarray, target: np.ndarray, signal
 def check_times(times: np.ndarray, schedule) -> tuple[np.ndarray, ...]:
     """A step's task times as int64 and its Schedule's wait, target, signal and wait span
     fields (critical_path's arguments); ValueError when they do not belong together (another
-    batch, context or SM count). A task that waits inside its run (waits_in_run) gets the start
-    of its run moved to its counters' completion (counter_done: the last of them) when that
-    came later: its wait is then the wait, and its run what followed."""
+    batch, context or SM count). A task that waits inside its run (Schedule.waits_in_run) gets
+    the start of its run moved to its counters' completion (counter_done: the last of them) when
+    that came later: its wait is then the wait, and its run what followed."""
     op, layer, wait, target, signal, span = schedule_fields(schedule)
     times = np.asarray(times, dtype=np.int64)
     if times.ndim != 2 or len(times) != len(op):
         raise ValueError(f"the times have {len(times)} tasks, the schedule {len(op)}: another batch, context or SM count?")
     if not ((times[:, 3] & 0xFF) == op).all() or not (((times[:, 3] >> 8) & 0xFF) == layer).all():
         raise ValueError("the times' opcodes and layers differ from the schedule's: another batch, context or SM count?")
-    inside = waits_in_run(op, int(schedule.plan["batch"]), span) & (wait >= 0) & (target > 0)
+    inside = schedule.waits_in_run()[schedule.tasks["op"] != Opcode.DRAIN] & (target > 0)
     if inside.any():
         times = times.copy()
         times[inside, 1] = np.maximum(times[inside, 1], counter_done(times, wait, target, signal, span)[inside])
@@ -297,8 +283,8 @@ def opcode_means(times: np.ndarray, layers: tuple[int, int] | None = None) -> di
     two and the last two, whose tasks overlap the step's start and end), their mean run and
     mean wait (us): how two builds' steps differ opcode by opcode. The timing records' upper 32
     bits (a build's diagnostic marks) are ignored. Without the schedule, a task that waits inside
-    its run (waits_in_run: QKV and ROUTER up to two rows, a sparse layer's GATE_UP) counts that
-    wait in its run."""
+    its run (Schedule.waits_in_run: QKV and ROUTER up to two rows, a sparse layer's GATE_UP)
+    counts that wait in its run."""
     times = np.asarray(times, dtype=np.int64)
     if times.ndim != 2 or times.shape[1] != 4 or len(times) == 0:
         raise ValueError(f"times must be [N, 4] with N > 0; got {times.shape}")

@@ -122,6 +122,9 @@ _PROTOTYPES = {
     "nmk_schedule_check": (c_int32, [POINTER(Geometry), POINTER(Plan), c_void_p, c_void_p, c_uint32, c_void_p]),
     # nmk_status nmk_schedule_wait_spans(const nmk_mk_geometry *, const nmk_task *, size_t count, uint32_t *spans)
     "nmk_schedule_wait_spans": (c_int32, [POINTER(Geometry), c_void_p, ctypes.c_size_t, c_void_p]),
+    # nmk_status nmk_schedule_waits_in_run(const nmk_mk_geometry *, uint32_t batch, const nmk_task *, size_t count,
+    #                                      uint8_t *inside)
+    "nmk_schedule_waits_in_run": (c_int32, [POINTER(Geometry), c_uint32, c_void_p, ctypes.c_size_t, c_void_p]),
     # nmk_status nmk_mk_create(const nmk_mk_geometry *, const nmk_mk_weights *, nmk_mk **out)
     "nmk_mk_create": (c_int32, [POINTER(Geometry), POINTER(Weights), POINTER(c_void_p)]),
     # void nmk_mk_destroy(nmk_mk *)
@@ -264,6 +267,10 @@ class Schedule:
         """wait_spans of every task (DRAIN entries included: 0)."""
         return wait_spans(self.config, self.tasks)
 
+    def waits_in_run(self) -> np.ndarray:
+        """waits_in_run of every task at the schedule's batch (DRAIN entries included: False)."""
+        return waits_in_run(self.config, self.plan["batch"], self.tasks)
+
     def tasks_of(self, sm: int) -> np.ndarray:
         """SM sm's list, DRAIN entries included."""
         return self.tasks[self.sm_offsets[sm]:self.sm_offsets[sm + 1]]
@@ -285,6 +292,19 @@ def wait_spans(config: ModelConfig, tasks: np.ndarray) -> np.ndarray:
     check(_lib().nmk_schedule_wait_spans(byref(geometry.value), tasks.ctypes.data if len(tasks) else None, len(tasks),
                                          spans.ctypes.data if len(tasks) else None))
     return spans.astype(np.int64)
+
+
+def waits_in_run(config: ModelConfig, batch: int, tasks: np.ndarray) -> np.ndarray:
+    """Per task of a TASK_DTYPE array, of a step of `batch` rows: whether it waits for its counters
+    inside its run, its start stamp before its wait (up to POST_SCALED_MAX_BATCH rows the QKV and
+    ROUTER tiles, and a sparse layer's GATE_UP; only tasks with a wait). The kernel's rule
+    (nmk_schedule_waits_in_run)."""
+    tasks = np.ascontiguousarray(tasks, dtype=TASK_DTYPE)
+    inside = np.zeros(len(tasks), dtype=np.uint8)
+    geometry = _GeometryRef(config)
+    check(_lib().nmk_schedule_waits_in_run(byref(geometry.value), batch, tasks.ctypes.data if len(tasks) else None,
+                                           len(tasks), inside.ctypes.data if len(tasks) else None))
+    return inside.astype(bool)
 
 
 def check_schedule(config: ModelConfig, plan: dict[str, int], tasks: np.ndarray, sm_offsets: np.ndarray,

@@ -14,7 +14,7 @@ import pytest
 from northmk import bench
 from northmk.bench_critical import (HOP, START, TURN, check_times, context_bucket, counter_done, counter_hops,
                                     critical_path, critical_path_of_run, hops_report, opcode_means, opcode_switches,
-                                    report, summarize, switches_report, waits_in_run)
+                                    report, summarize, switches_report)
 from northmk.bench_simulate import replay_runs, simulate
 from northmk.megakernel import TASK_DTYPE, Opcode, Schedule
 from northmk.megakernel_interpreter import execution_order
@@ -219,10 +219,6 @@ def test_tasks_that_wait_inside_their_run_are_read_from_their_counters_completio
         checked = check_times(early, schedule)[0]
         assert (checked[gate_up & (span == 1), 1] == done[gate_up & (span == 1)]).all()
         assert (checked[gate_up & (span == 2), 1] == early[gate_up & (span == 2), 1]).all()
-    ops = np.array([Opcode.QKV, Opcode.ROUTER, Opcode.NORM, Opcode.GATE_UP, Opcode.GATE_UP, Opcode.LM_HEAD])
-    spans = np.array([2, 2, 0, 1, 2, 2])  # the first GATE_UP a sparse layer's (the routing), the second a dense one's
-    assert waits_in_run(ops, 2, spans).tolist() == [True, True, False, True, False, False]
-    assert waits_in_run(ops, 3, spans).tolist() == [False, False, False, True, False, False]
 
 
 def test_times_of_another_schedule_are_refused():

@@ -48,13 +48,14 @@ __device__ __forceinline__ bool waits_for_blocks(const Params &p, const nmk_task
     return schedule::waits_on_blocks(t.op, [&] { return p.layers[t.layer].dense; });
 }
 
-// Tasks that wait for their input themselves, not the VM before they run: QKV and ROUTER tiles up
-// to kStagedMaxBatch rows, each chunk for its block after their first weight burst is issued
-// (gemv_normed); a sparse layer's GATE_UP, which polls the routing's slot table (slot_expert_of).
+// Tasks that wait for their input themselves, not the VM before they run (schedule::waits_in_run):
+// QKV and ROUTER tiles up to kStagedMaxBatch rows, each chunk for its block after their first
+// weight burst is issued (gemv_normed); a sparse layer's GATE_UP, which polls the routing's slot
+// table (slot_expert_of).
 template <int B>
 __device__ __forceinline__ bool own_wait(const Params &p, const nmk_task &t) {
-    if (t.op == NMK_OP_GATE_UP) return !p.layers[t.layer].dense;
-    return B <= kStagedMaxBatch && t.wait >= 0 && (t.op == NMK_OP_ROUTER || t.op == NMK_OP_QKV);
+    static_assert(kStagedMaxBatch == NMK_MK_POST_SCALED_MAX_BATCH, "the rule's batch bound is gemv_normed's");
+    return schedule::waits_in_run(t.op, B, t.wait >= 0, [&] { return p.layers[t.layer].dense; });
 }
 
 template <int B>

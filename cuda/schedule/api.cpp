@@ -77,6 +77,27 @@ NMK_API nmk_status nmk_schedule_wait_spans(const nmk_mk_geometry *geometry, cons
     });
 }
 
+NMK_API nmk_status nmk_schedule_waits_in_run(const nmk_mk_geometry *geometry, uint32_t batch, const nmk_task *tasks,
+                                             size_t count, uint8_t *inside) {
+    NMK_REQUIRE(geometry && ((tasks && inside) || count == 0), "nmk_schedule_waits_in_run: NULL argument");
+    NMK_REQUIRE(batch >= 1 && batch <= NMK_MK_MAX_BATCH, "nmk_schedule_waits_in_run: batch must be in [1, %d], got %u",
+                NMK_MK_MAX_BATCH, batch);
+    return nmk::guard("nmk_schedule_waits_in_run", [&] {
+        auto g = geometry_of(geometry);
+        for (size_t i = 0; i < count; i++) {
+            const nmk_task &t = tasks[i];
+            inside[i] = nmk::schedule::waits_in_run(t.op, static_cast<int>(batch), t.wait >= 0, [&] {
+                if (t.layer >= g.num_layers)
+                    throw nmk::Error(NMK_ERR_INVALID_ARGUMENT, "task " + std::to_string(i) + ": a GATE_UP of layer " +
+                                                                   std::to_string(t.layer) + " of " +
+                                                                   std::to_string(g.num_layers));
+                return g.dense[t.layer] != 0;
+            });
+        }
+        return NMK_OK;
+    });
+}
+
 NMK_API nmk_status nmk_schedule_check(const nmk_mk_geometry *geometry, const nmk_plan *plan,
                                       const nmk_task *tasks, const uint32_t *sm_offsets, uint32_t num_sms,
                                       const uint32_t *queue_offsets) {

@@ -13,7 +13,7 @@ import os
 from ctypes import POINTER, c_char_p, c_float, c_int, c_int32, c_size_t, c_uint32, c_uint64, c_void_p
 from pathlib import Path
 
-ABI_VERSION = 9  # NMK_ABI_VERSION of include/northmk.h this module is written against
+ABI_VERSION = 10  # NMK_ABI_VERSION of include/northmk.h this module is written against
 KV_MAX_GROUPS = 4  # NMK_KV_MAX_GROUPS
 NO_PAGE = -1  # NMK_KV_NO_PAGE
 LIB_NAME = "libnorthmk.so"

@@ -6,9 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from northmk.config import ModelConfig
+from northmk.config import DENSE, ModelConfig
 from northmk.megakernel import (
     BLOCK_COLS, MAX_SPLITS, TASK_DTYPE, Opcode, Schedule, check_schedule, unsupported_reason, wait_spans,
+    waits_in_run,
 )
 from northmk.megakernel_interpreter import execution_order
 from northmk.native import NativeError
@@ -489,6 +490,36 @@ def test_wait_spans_are_the_librarys_rule():
     assert set(spans.tolist()) == {0, 1, blocks}
     assert (spans[s.tasks["op"] == Opcode.LM_HEAD] == blocks).all()
     check(SMALL, s)
+
+
+def test_waits_in_run_are_the_kernels_rule():
+    """Up to two rows the QKV and ROUTER tiles wait for their input's blocks inside their run, and
+    at any batch a sparse layer's GATE_UP polls the routing inside its run; everything else (a
+    dense layer's GATE_UP, a task without a wait) is waited for before it runs: the rule
+    nmk_schedule_waits_in_run shares with the kernel (block_wait.hpp)."""
+    rows = [(Opcode.QKV, 1, 7), (Opcode.ROUTER, 2, 7), (Opcode.GATE_UP, 1, 7), (Opcode.GATE_UP, 0, 7),
+            (Opcode.LM_HEAD, SMALL.num_layers, 7), (Opcode.OPROJ, 1, 7), (Opcode.NORM, 0, -1), (Opcode.QKV, 0, -1)]
+    tasks = np.zeros(len(rows), dtype=TASK_DTYPE)
+    tasks["op"], tasks["layer"], tasks["wait"] = zip(*rows)
+    assert SMALL.mlp_types[0] == DENSE and SMALL.mlp_types[1] != DENSE
+    for batch in (1, 2):
+        assert waits_in_run(SMALL, batch, tasks).tolist() == [True, True, True, False, False, False, False, False]
+    for batch in (3, 8):
+        assert waits_in_run(SMALL, batch, tasks).tolist() == [False, False, True, False, False, False, False, False]
+    assert waits_in_run(SMALL, 1, tasks[:0]).tolist() == []
+    for lens, staged in (([100, 100], True), ([100, 100, 100], False)):  # a built schedule's tasks
+        s = Schedule(SMALL, 8, lens)
+        inside, op = s.waits_in_run(), s.tasks["op"]
+        reader = np.isin(op, (Opcode.QKV, Opcode.ROUTER)) & (s.tasks["wait"] >= 0)
+        assert (inside[reader] == staged).all() and not inside[s.tasks["wait"] < 0].any()
+        assert (inside[op == Opcode.GATE_UP] == (s.wait_spans()[op == Opcode.GATE_UP] == 1)).all()
+    for batch in (0, 9):
+        with pytest.raises(NativeError, match=r"batch must be in \[1, 8\]"):
+            waits_in_run(SMALL, batch, tasks)
+    stray = tasks[2:3].copy()
+    stray["layer"] = SMALL.num_layers
+    with pytest.raises(NativeError, match="a GATE_UP of layer 5 of 5"):
+        waits_in_run(SMALL, 1, stray)
 
 
 def test_wait_spans_refuse_a_geometry_the_schedule_cannot_take():

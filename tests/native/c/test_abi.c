@@ -63,6 +63,15 @@ int main(void) {
         CHECK(nmk_last_error(buf, sizeof buf) > 0 && strstr(buf, "nmk_schedule_wait_spans") != NULL);
         CHECK(span == 7);
     }
+    {  /* which tasks wait inside their run: NULL and a batch outside 1..NMK_MK_MAX_BATCH refused */
+        nmk_task task;
+        uint8_t inside = 7;
+        memset(&task, 0, sizeof task);
+        CHECK_STATUS(nmk_schedule_waits_in_run(NULL, 1, &task, 1, &inside), NMK_ERR_INVALID_ARGUMENT);
+        CHECK(nmk_last_error(buf, sizeof buf) > 0 && strstr(buf, "nmk_schedule_waits_in_run") != NULL);
+        CHECK_STATUS(nmk_schedule_waits_in_run(NULL, 1, NULL, 0, NULL), NMK_ERR_INVALID_ARGUMENT);
+        CHECK(inside == 7);
+    }
     puts("test_abi: ok");
     return 0;
 }
