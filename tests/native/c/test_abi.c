@@ -63,7 +63,7 @@ int main(void) {
         CHECK(nmk_last_error(buf, sizeof buf) > 0 && strstr(buf, "nmk_schedule_wait_spans") != NULL);
         CHECK(span == 7);
     }
-    {  /* which tasks wait inside their run: NULL and a batch outside 1..NMK_MK_MAX_BATCH refused */
+    {  /* which tasks wait inside their run: a NULL geometry refused, even with nothing to fill */
         nmk_task task;
         uint8_t inside = 7;
         memset(&task, 0, sizeof task);
