@@ -54,7 +54,6 @@ __device__ __forceinline__ bool waits_for_blocks(const Params &p, const nmk_task
 // table (slot_expert_of).
 template <int B>
 __device__ __forceinline__ bool own_wait(const Params &p, const nmk_task &t) {
-    static_assert(kStagedMaxBatch == NMK_MK_POST_SCALED_MAX_BATCH, "the rule's batch bound is gemv_normed's");
     return schedule::waits_in_run(t.op, B, t.wait >= 0, [&] { return p.layers[t.layer].dense; });
 }
 
