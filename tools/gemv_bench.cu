@@ -33,17 +33,21 @@
 //                   piece of one band's K range, contiguous in the tiled layout), N in flight
 // Every output of a sample of tiles is checked against a CPU reference (error relative to the
 // row's sum |w| |x|, 1e-2 at most). One line per (shape, path, batch); exit code 1 on a mismatch.
-//   northmk_gemv_bench [--quick] [--read-peak] [--filter SUBSTR]... [--ctas N] [--pool-mib M]
+//   northmk_gemv_bench [--quick] [--read-peak] [--filter SUBSTR]... [--ctas N] [--pool-mib M] [--shuffle]
 //     --quick: 512 MiB of weights, one repetition; --read-peak: first the device's read
 //     bandwidth with no GEMV (read_ldg, read_bulk; --ctas sets their SMs); --filter: only the
 //     paths whose name contains SUBSTR (repeatable: any of them); --ctas: launch N CTAs (default
 //     one per SM: what one SM streams when fewer share the DRAM); --pool-mib: M MiB of weights
 //     (small enough, and L2 holds them after the first repetition: what an SM streams from L2).
-//     GB/s per SM divides by the CTAs launched.
+//     GB/s per SM divides by the CTAs launched. --shuffle: the tiles in a random order (a fixed
+//     seed) instead of the matrices' order, so that the CTAs' tiles at any moment lie in scattered
+//     pages of the pool, as a step's routed experts do (with a pool larger than the GPU's TLBs
+//     cover, what the address translation of scattered tiles costs).
 #include <cuda/atomic>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <random>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -877,17 +881,19 @@ void launch(const Path &p, int grid, const Args &args) {
 }  // namespace
 
 int main(int argc, char **argv) {
-    bool quick = false, peak = false;
+    bool quick = false, peak = false, shuffle = false;
     std::vector<std::string> filters;
     int ctas = 0, pool_mib = 0;
     for (int i = 1; i < argc; i++) {
         if (!std::strcmp(argv[i], "--quick")) quick = true;
         else if (!std::strcmp(argv[i], "--read-peak")) peak = true;
+        else if (!std::strcmp(argv[i], "--shuffle")) shuffle = true;
         else if (!std::strcmp(argv[i], "--filter") && i + 1 < argc) filters.push_back(argv[++i]);
         else if (!std::strcmp(argv[i], "--ctas") && i + 1 < argc && (ctas = std::atoi(argv[++i])) > 0) continue;
         else if (!std::strcmp(argv[i], "--pool-mib") && i + 1 < argc && (pool_mib = std::atoi(argv[++i])) > 0) continue;
         else {
-            std::fprintf(stderr, "usage: %s [--quick] [--read-peak] [--filter SUBSTR]... [--ctas N] [--pool-mib M]\n",
+            std::fprintf(stderr,
+                         "usage: %s [--quick] [--read-peak] [--filter SUBSTR]... [--ctas N] [--pool-mib M] [--shuffle]\n",
                          argv[0]);
             return 2;
         }
@@ -915,8 +921,9 @@ int main(int argc, char **argv) {
     CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
     cudaDeviceProp prop{};
     CHECK(cudaGetDeviceProperties(&prop, dev));
-    std::printf("%s: %d SMs, %.0f MHz; %zu MiB of weights in %d matrices per shape, %d rep(s), %d CTAs\n", prop.name,
-                sms, clock_khz / 1e3, pool_bytes >> 20, kMatrices, reps, grid);
+    std::printf("%s: %d SMs, %.0f MHz; %zu MiB of weights in %d matrices per shape, %d rep(s), %d CTAs, tiles %s\n",
+                prop.name, sms, clock_khz / 1e3, pool_bytes >> 20, kMatrices, reps, grid,
+                shuffle ? "shuffled" : "in order");
 
     bf16 *pool = nullptr, *tiled = nullptr;
     CHECK(cudaMalloc(&pool, pool_bytes));
@@ -966,7 +973,8 @@ int main(int argc, char **argv) {
     bool failed = false;
     for (const Shape &sh : kShapes) {
         int matrix_rows = 0;
-        const std::vector<BenchTile> tiles = make_tiles(sh, matrix_elems, matrix_rows);
+        std::vector<BenchTile> tiles = make_tiles(sh, matrix_elems, matrix_rows);
+        if (shuffle) std::shuffle(tiles.begin(), tiles.end(), std::mt19937(12345));
         if (tiled) {
             tile_layout<<<4 * sms, 256>>>(pool, tiled, matrix_elems, matrix_rows, sh.K);
             CHECK(cudaGetLastError());
