@@ -229,6 +229,7 @@ struct Kept {
     float ss_part[kWarps][NMK_MK_MAX_BATCH];
     uint32_t claimed;             // the drain's claimed task (vm.cuh): its index and descriptor
     nmk_task claimed_task;
+    uint32_t ahead_first, ahead_count;  // the bounds of the queue claimed from ahead (claim_ahead)
     int seen;             // a counter this CTA has seen reach seen_target this step (vm.cuh's wait), -1 none
     uint32_t seen_target;
     // stage_image's bulk copies: each completes a phase of image_full; each thread then arrives

@@ -123,13 +123,22 @@ __device__ __forceinline__ void run_one(const Params &p, uint32_t i, const nmk_t
 // DRAIN(q): claim queue q's tasks in order with an atomic head until it runs dry. Thread
 // kClaimer claims the next task once the current one's work is done, before its signal, and
 // loads the claimed task's descriptor after the signal's barrier: both round trips overlap
-// thread 0's fence and release instead of following them. A CTA never holds a task while it
-// works on another (a held task would wait for this CTA however many SMs are idle). Holding a
-// later task of the queue never blocks an earlier one: queue tasks wait only on earlier work.
+// thread 0's fence and release instead of following them. Within a queue a CTA never holds a
+// task while it works on another (a held task would wait for this CTA however many SMs are
+// idle). Holding a later task of the queue never blocks an earlier one: queue tasks wait only
+// on earlier work.
+// The list task before a DRAIN(q) (a layer's QKV or router tile, layer 0's NORM) claims q's
+// first task as it begins (`ahead`, run_list) and keeps the claim and q's bounds in Kept, so
+// that its SM enters the queue with no global load between the two tasks. It holds that task
+// for one list task's run: the queue's first tasks (attention splits, GATE_UP tiles) wait for
+// the layer's QKV or routing anyway, and a list task never waits on the queue of the DRAIN
+// after it (the schedule checker's cycle rule). With the list's descriptors loaded as words
+// (TaskWords), batch 1 +0.55% (benchmarks/NOTES.md, session 39).
 constexpr int kClaimer = 32;  // lane 0 of warp 1: not thread 0, which signals
 template <int B>
-__device__ __forceinline__ void drain(const Params &p, int q, char *smem) {
-    const uint32_t first = p.queue_offsets[q], count = p.queue_offsets[q + 1] - first;
+__device__ __forceinline__ void drain(const Params &p, int q, char *smem, bool ahead) {
+    const uint32_t first = ahead ? kept(smem).ahead_first : p.queue_offsets[q];
+    const uint32_t count = ahead ? kept(smem).ahead_count : p.queue_offsets[q + 1] - first;
     uint32_t *head = p.counters + p.plan.num_counters + 1 + q;
     uint32_t &claimed = kept(smem).claimed;
     nmk_task &claimed_task = kept(smem).claimed_task;
@@ -141,8 +150,8 @@ __device__ __forceinline__ void drain(const Params &p, int q, char *smem) {
     auto fetch = [&] {
         if (threadIdx.x == kClaimer && next < count) desc = p.tasks[first + next];
     };
-    claim();
-    fetch();
+    if (!ahead) claim(), fetch();
+    else if (threadIdx.x == kClaimer) next = claimed, desc = claimed_task;  // its own stores (claim_ahead)
     for (;;) {
         if (threadIdx.x == kClaimer) claimed = next, claimed_task = desc;
         __syncthreads();
@@ -154,18 +163,67 @@ __device__ __forceinline__ void drain(const Params &p, int q, char *smem) {
     }
 }
 
+// Claim queue q's next task for the DRAIN(q) after the list task this CTA begins (kClaimer
+// only): its index, its descriptor (when it is one of the queue's) and q's bounds, into Kept.
+__device__ __forceinline__ void claim_ahead(const Params &p, uint32_t q, char *smem) {
+    Kept &k = kept(smem);
+    const uint32_t first = p.queue_offsets[q], count = p.queue_offsets[q + 1] - first;
+    const uint32_t j = atomicAdd(p.counters + p.plan.num_counters + 1 + q, 1u);
+    k.claimed = j, k.ahead_first = first, k.ahead_count = count;
+    if (j < count) k.claimed_task = p.tasks[first + j];
+}
+
+// A list entry's descriptor as its five words (nmk_task's layout), loaded as words and unpacked
+// by task_of where its task runs. Loaded as an nmk_task, the next entry had its byte fields
+// unpacked right after the load, so the loop waited for that load before running the current
+// task (an L2 round trip at every list entry whose line L1 no longer held).
+struct TaskWords {
+    uint32_t w[5];
+};
+static_assert(sizeof(nmk_task) == sizeof(TaskWords) && offsetof(nmk_task, layer) == 1 && offsetof(nmk_task, x) == 2 &&
+                  offsetof(nmk_task, y) == 4 && offsetof(nmk_task, z) == 6 && offsetof(nmk_task, wait) == 8 &&
+                  offsetof(nmk_task, target) == 12 && offsetof(nmk_task, signal) == 16,
+              "task_of reads nmk_task's fields from these words (little-endian)");
+
+__device__ __forceinline__ TaskWords task_words(const nmk_task *t) {
+    const uint32_t *s = reinterpret_cast<const uint32_t *>(t);
+    TaskWords r;
+#pragma unroll
+    for (int k = 0; k < 5; k++) r.w[k] = s[k];
+    return r;
+}
+
+__device__ __forceinline__ nmk_task task_of(const TaskWords &r) {
+    nmk_task t;
+    t.op = static_cast<uint8_t>(r.w[0]), t.layer = static_cast<uint8_t>(r.w[0] >> 8);
+    t.x = static_cast<uint16_t>(r.w[0] >> 16), t.y = static_cast<uint16_t>(r.w[1]);
+    t.z = static_cast<uint16_t>(r.w[1] >> 16);
+    t.wait = static_cast<int32_t>(r.w[2]), t.target = r.w[3], t.signal = static_cast<int32_t>(r.w[4]);
+    return t;
+}
+
 // The SM's list in order. Each task's descriptor is loaded while the one before it runs: the
 // acquiring polls invalidate L1, so a load after the task would be an L2 round trip before
-// its wait.
+// its wait. A list task followed by DRAIN(q) claims q's first task as it begins (drain's note);
+// only the claimer waits for the next entry's descriptor to know q.
 template <int B>
 __device__ __forceinline__ void run_list(const Params &p, char *smem) {
     const uint32_t begin = p.sm_offsets[blockIdx.x], end = p.sm_offsets[blockIdx.x + 1];
-    nmk_task t = begin < end ? p.tasks[begin] : nmk_task{};
+    TaskWords cur = begin < end ? task_words(p.tasks + begin) : TaskWords{};
+    bool ahead = false;  // the entry before this one was a list task: a DRAIN here was claimed ahead
     for (uint32_t i = begin; i < end; i++) {
-        const nmk_task next = i + 1 < end ? p.tasks[i + 1] : nmk_task{};
-        if (t.op == NMK_OP_DRAIN) drain<B>(p, t.x, smem);
-        else run_one<B>(p, i, t, smem, [] {}, [] {});
-        t = next;
+        const TaskWords next = i + 1 < end ? task_words(p.tasks + i + 1) : TaskWords{};
+        const nmk_task t = task_of(cur);
+        if (t.op == NMK_OP_DRAIN) {
+            drain<B>(p, t.x, smem, ahead);
+            ahead = false;
+        } else {
+            ahead = true;
+            const nmk_task after = task_of(next);
+            if (threadIdx.x == kClaimer && after.op == NMK_OP_DRAIN) claim_ahead(p, after.x, smem);
+            run_one<B>(p, i, t, smem, [] {}, [] {});
+        }
+        cur = next;
     }
 }
 
