@@ -1,8 +1,9 @@
 """A timed replay of a decode step's schedule: `python -m northmk.bench simulate`.
 
 The megakernel's SMs walk their task lists; at DRAIN(q) each claims queue q's next task when
-it is free and runs it once its counters reached its target (a reader of a layer's input: every
-block counter of its wait span). `simulate` plays that out in time
+it is free (the list task before a DRAIN(q) claims q's first task as it begins) and runs it
+once its counters reached its target (a reader of a layer's input: every block counter of its
+wait span). `simulate` plays that out in time
 for a Schedule, given each task's run time and two gaps (a counter complete -> its waiter
 running: `hop`; an SM's previous task ended -> its next running: `turn`), and returns the task
 times in the kernel's own format ([tasks less DRAIN entries, 4]: began waiting, ran, ended in
@@ -35,7 +36,9 @@ def task_keys(tasks: np.ndarray) -> list[Key]:
 class Lists:
     """The task lists' cursors and the queues' heads as the kernel walks them: `next(sm)` is the
     list's next task, claiming queue q's next task at a DRAIN(q) entry (held until it ran) and
-    passing the entry once the queue is dry; `ran(sm, i)` moves past task i."""
+    passing the entry once the queue is dry; a list task followed by DRAIN(q) claims q's next
+    task when it is first returned (the kernel's run_list claims it as the list task begins);
+    `ran(sm, i)` moves past task i."""
 
     def __init__(self, schedule):
         self.ops = schedule.tasks["op"].astype(int).tolist()
@@ -51,15 +54,22 @@ class Lists:
         while self.cursor[sm] < self.list_end[sm]:
             i = self.cursor[sm]
             if self.ops[i] != Opcode.DRAIN:
+                if i + 1 < self.list_end[sm] and self.ops[i + 1] == Opcode.DRAIN and self.held[sm] is None:
+                    self.claim(sm, self.queue_x[i + 1])
                 return i
             if self.held[sm] is not None:
                 return self.held[sm]
-            q = self.queue_x[i]
-            if self.head[q] < self.queue_end[q]:
-                self.held[sm], self.head[q] = self.head[q], self.head[q] + 1
+            if self.claim(sm, self.queue_x[i]):
                 return self.held[sm]
             self.cursor[sm] += 1
         return None
+
+    def claim(self, sm: int, q: int) -> bool:
+        """The SM holds queue q's next task, if the queue has one left."""
+        if self.head[q] >= self.queue_end[q]:
+            return False
+        self.held[sm], self.head[q] = self.head[q], self.head[q] + 1
+        return True
 
     def ran(self, sm: int, i: int) -> None:
         if self.held[sm] == i:

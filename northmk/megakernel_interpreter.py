@@ -3,7 +3,7 @@
 It runs a host-built Schedule task by task, in an order the counters allow (each SM's list
 in order, a task only once each counter it waits on reached its target; an SM at DRAIN(q)
 claims the next unclaimed task of queue q and holds it until it may run, until q is
-exhausted), on the same buffers and with the same bf16 roundings as the kernel's tasks
+exhausted, and claims q's first as it reaches the list task before the DRAIN), on the same buffers and with the same bf16 roundings as the kernel's tasks
 (cuda/mk/op_*.cuh), v0.6 semantics (include/northmk.h): layer l's input is a sum that layer
 l - 1's OPROJ and DOWN tasks add into (layer 0's: the embedding, from the NORM tiles), each
 signalling the counter of the column block it wrote, and its readers (QKV, ROUTER, a dense
@@ -274,7 +274,8 @@ def execution_order(schedule: Schedule) -> list[tuple[int, int]]:
     kernel may run them: round-robin over the SMs, each running as far as its waits allow (a
     task once every counter of its wait span, schedule.wait_spans(), reached its target); an SM
     at DRAIN(q) claims queue q's next task and holds it until its wait is met, until q has none
-    left. Deterministic. RuntimeError if no SM can make progress (a deadlock)."""
+    left; at the list task before a DRAIN(q) it claims q's next task as it reaches it (the
+    kernel's run_list). Deterministic. RuntimeError if no SM can make progress (a deadlock)."""
     tasks, num_sms = schedule.tasks, schedule.num_sms
     ops, waits, targets, signals = (tasks[f].astype(int).tolist() for f in ("op", "wait", "target", "signal"))
     spans = schedule.wait_spans().tolist()
@@ -317,6 +318,11 @@ def execution_order(schedule: Schedule) -> list[tuple[int, int]]:
                     run(sm, held[sm])
                     held[sm] = None
                     continue
+                if held[sm] is None and i + 1 < ends[sm] and ops[i + 1] == Opcode.DRAIN:
+                    q = queue_x[i + 1]
+                    if q < len(head) and head[q] < queue_end[q]:
+                        held[sm], head[q] = head[q], head[q] + 1
+                        progressed = True
                 if not ready(i):
                     break
                 run(sm, i)

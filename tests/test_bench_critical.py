@@ -345,12 +345,24 @@ def test_a_replayed_step_keeps_every_constraint_of_the_kernel():
         for c in range(work["wait"][i], work["wait"][i] + spans[i]):
             ends = np.sort(times[work["signal"] == c, 2])
             assert times[i, 1] >= ends[work["target"][i] - 1] + hop
-    # the queues' tasks are claimed in queue order
+    # the queues' tasks are claimed in queue order: when their SM became free for them, or for
+    # the list task before them (which claims its DRAIN's first task as it begins)
     offsets = schedule.queue_offsets
     drains = np.cumsum(tasks["op"] == Opcode.DRAIN)  # DRAIN entries before each task (all in the lists)
+    in_lists = np.arange(len(work)) < offsets[0] - drains[-1]
+    claimed = times[:, 0].copy()
+    ahead = 0
+    for s in range(schedule.num_sms):
+        mine = np.flatnonzero(sm == s)
+        mine = mine[np.argsort(times[mine, 1])]
+        for before, task in zip(mine[:-1], mine[1:]):
+            if in_lists[before] and not in_lists[task]:
+                claimed[task] = times[before, 0]
+                ahead += 1
+    assert ahead > 0
     for q in range(len(offsets) - 1):
         rows = np.arange(offsets[q], offsets[q + 1]) - drains[-1]
-        assert (np.diff(times[rows, 0]) >= 0).all()
+        assert (np.diff(claimed[rows]) >= 0).all()
     # critical_path reads a replay like a profiled step, back to the first task
     assert critical_path_of_run(times, schedule)[0].how == START
 
@@ -378,6 +390,25 @@ def test_a_replay_that_cannot_finish_says_so():
     broken.tasks = tasks
     with pytest.raises(RuntimeError, match="deadlock"):
         simulate(broken, np.full(len(tasks), 1000))
+
+
+def test_a_replayed_list_task_claims_its_drains_first_task_as_it_begins():
+    # SM 0: a 5 us QKV tile, then DRAIN(0); SM 1: a 1 us QKV tile, then DRAIN(0); queue 0: two
+    # GATE_UP tiles. Each QKV tile claims one as it begins (SM 0 first), so SM 1, free at 1 us,
+    # runs the second while the first waits for SM 0, and then finds the queue dry.
+    s = Schedule.__new__(Schedule)
+    rows = [(Opcode.QKV, 1, 0, 0, 0, -1, 0, -1), (Opcode.DRAIN, 0, 0, 0, 0, -1, 0, -1),
+            (Opcode.QKV, 1, 1, 0, 0, -1, 0, -1), (Opcode.DRAIN, 0, 0, 0, 0, -1, 0, -1),
+            (Opcode.GATE_UP, 1, 0, 0, 0, -1, 0, -1), (Opcode.GATE_UP, 1, 1, 0, 0, -1, 0, -1)]
+    s.config, s.tasks = bench.geometry("mk-small"), np.array(rows, dtype=TASK_DTYPE)
+    s.sm_offsets = np.array([0, 2, 4], dtype=np.uint32)
+    s.queue_offsets = np.array([4, 6], dtype=np.uint32)
+    s.plan = {"batch": 1, "num_counters": 1}
+    times = simulate(s, np.array([5_000, 0, 1_000, 0, 2_000, 2_000]), 0, 0)
+    sm = times[:, 3] >> 16
+    assert sm.tolist() == [0, 1, 0, 1]  # QKV, QKV, GATE_UP 0, GATE_UP 1
+    assert times[2, 1:3].tolist() == [5_000, 7_000]
+    assert times[3, 1:3].tolist() == [1_000, 3_000]
 
 
 def test_a_replayed_reader_of_a_layers_input_waits_for_the_last_of_its_blocks():

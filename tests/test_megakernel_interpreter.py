@@ -136,6 +136,19 @@ def test_an_sm_holding_a_claimed_task_that_waits_on_a_later_one_deadlocks(small)
         run_schedule(config, weights, schedule, TOKENS, [c - 1 for c in CONTEXTS], tables, kv)
 
 
+def test_the_list_task_before_a_drain_claims_the_queues_first_task_as_it_is_reached():
+    # SM 0 reaches its OPROJ tile (waiting on counter 0) and claims the queue's first task A;
+    # SM 1's OPROJ tile signals counter 0, then SM 1 drains the queue: it gets B, not A, which
+    # SM 0 runs after its OPROJ tile (as the kernel's run_list claims ahead).
+    schedule = hand_made([[(Opcode.OPROJ, 0, 0, 0, 1, -1), (Opcode.DRAIN, 0, 0, -1, 0, -1)],
+                          [(Opcode.OPROJ, 0, 1, -1, 0, 0), (Opcode.DRAIN, 0, 0, -1, 0, -1)]])
+    queue = np.array([(Opcode.ATTN, 0, 0, 0, 0, -1, 0, -1), (Opcode.ATTN, 0, 1, 0, 0, -1, 0, -1)],
+                     dtype=schedule.tasks.dtype)
+    schedule.tasks = np.concatenate([schedule.tasks, queue])
+    schedule.queue_offsets = np.array([4, 6], dtype=np.uint32)
+    assert execution_order(schedule) == [(1, 2), (1, 5), (0, 0), (0, 4)]
+
+
 def test_a_reader_of_a_layers_input_runs_once_every_block_of_it_is_complete():
     # SM 0 completes the first of layer 1's two input blocks, then reaches its QKV tile, which
     # waits on both; SM 1 completes the second. The QKV tile runs last.

@@ -453,7 +453,8 @@ void check_acyclic(const Geometry &g, const nmk_plan &p, const View &v) {
 }
 
 // Runs the step with every SM taking its next task as soon as it may; an SM at DRAIN(q)
-// claims the next task of q and holds it until it can run. All must finish.
+// claims the next task of q and holds it until it can run, and an SM at the list task before
+// a DRAIN(q) claims q's next task as it reaches it (the kernel's run_list). All must finish.
 void check_progress(const Geometry &g, const nmk_plan &p, const View &v) {
     std::vector<uint32_t> counters(p.num_counters, 0);
     std::vector<size_t> next(v.per_sm.size(), 0), head(v.queues.size(), 0);
@@ -486,6 +487,13 @@ void check_progress(const Geometry &g, const nmk_plan &p, const View &v) {
                     finish(queue[held[sm]]);
                     held[sm] = -1;
                     continue;
+                }
+                if (held[sm] < 0 && next[sm] + 1 < v.per_sm[sm].size()) {
+                    const nmk_task &after = v.per_sm[sm][next[sm] + 1];
+                    if (after.op == NMK_OP_DRAIN && head[after.x] < v.queues[after.x].size()) {
+                        held[sm] = long(head[after.x]++);
+                        moved = true;
+                    }
                 }
                 if (!runnable(t)) break;
                 finish(t);
