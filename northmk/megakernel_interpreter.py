@@ -1,20 +1,21 @@
 """A PyTorch interpreter of the megakernel's instruction stream, for machines without a GPU.
 
-It runs a host-built Schedule task by task, in an order the counters allow (each SM's list
-in order, a task only once each counter it waits on reached its target; an SM at DRAIN(q)
-claims the next unclaimed task of queue q and holds it until it may run, until q is
-exhausted, and claims q's first as it reaches the list task before the DRAIN), on the same buffers and with the same bf16 roundings as the kernel's tasks
-(cuda/mk/op_*.cuh), v0.6 semantics (include/northmk.h): layer l's input is a sum that layer
-l - 1's OPROJ and DOWN tasks add into (layer 0's: the embedding, from the NORM tiles), each
-signalling the counter of the column block it wrote, and its readers (QKV, ROUTER, a dense
-GATE_UP, LM_HEAD) wait on all of the blocks' counters (wait_spans); every reader of the normed
-input but a sparse GATE_UP rounds and normalizes that sum itself, QKV and ROUTER up to
-POST_SCALED_MAX_BATCH rows by scaling their GEMV's outputs with each row's rms; ROUTER tiles
-write their shares of the normed input's image, which sparse GATE_UP tasks read, the last
-ROUTER tile to run routes the layer, DOWN weighs each pick's output by its routing weight, and
-an attention pair's last split to run merges its splits. Set beside the reference
-(megakernel_oracle) it checks what the schedule builder decides: tile sizes, attention
-splits, expert slots, the wiring of counters, the buffers each task reads and writes.
+It runs a host-built Schedule task by task, in an order the counters allow (each SM's list in
+order, a task only once each counter it waits on reached its target; an SM at DRAIN(q) claims
+the next unclaimed task of queue q and holds it until it may run, until q is exhausted, and
+claims q's first as it reaches the list task before the DRAIN), on the same buffers and with
+the same bf16 roundings as the kernel's tasks (cuda/mk/op_*.cuh), v0.6 semantics
+(include/northmk.h): layer l's input is a sum that layer l - 1's OPROJ and DOWN tasks add into
+(layer 0's: the embedding, from the NORM tiles), each signalling the counter of the column
+block it wrote, and its readers (QKV, ROUTER, a dense GATE_UP, LM_HEAD) wait on all of the
+blocks' counters (wait_spans); every reader of the normed input but a sparse GATE_UP rounds and
+normalizes that sum itself, QKV and ROUTER up to POST_SCALED_MAX_BATCH rows by scaling their
+GEMV's outputs with each row's rms; ROUTER tiles write their shares of the normed input's
+image, which sparse GATE_UP tasks read, the last ROUTER tile to run routes the layer, DOWN
+weighs each pick's output by its routing weight, and an attention pair's last split to run
+merges its splits. Set beside the reference (megakernel_oracle) it checks what the schedule
+builder decides: tile sizes, attention splits, expert slots, the wiring of counters, the
+buffers each task reads and writes.
 
     run_schedule(config, weights, schedule, tokens, positions, tables, kv) -> (logits, MegakernelTrace)
     execution_order(schedule) -> [(sm, task index)]   who runs what, in an order the counters allow

@@ -47,11 +47,11 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <random>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <random>
 #include <stdexcept>
 #include <string>
 #include <vector>
