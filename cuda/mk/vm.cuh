@@ -135,11 +135,17 @@ __device__ __forceinline__ void run_one(const Params &p, uint32_t i, const nmk_t
 // after it (the schedule checker's cycle rule). With the list's descriptors loaded as words
 // (TaskWords), batch 1 +0.55% (benchmarks/NOTES.md, session 39).
 constexpr int kClaimer = 32;  // lane 0 of warp 1: not thread 0, which signals
+
+// Queue q's claim head: past the counters and the count of finished CTAs (Params::counters).
+__device__ __forceinline__ uint32_t *claim_head(const Params &p, uint32_t q) {
+    return p.counters + p.plan.num_counters + 1 + q;
+}
+
 template <int B>
 __device__ __forceinline__ void drain(const Params &p, int q, char *smem, bool ahead) {
     const uint32_t first = ahead ? kept(smem).ahead_first : p.queue_offsets[q];
     const uint32_t count = ahead ? kept(smem).ahead_count : p.queue_offsets[q + 1] - first;
-    uint32_t *head = p.counters + p.plan.num_counters + 1 + q;
+    uint32_t *head = claim_head(p, q);
     uint32_t &claimed = kept(smem).claimed;
     nmk_task &claimed_task = kept(smem).claimed_task;
     uint32_t next = 0;
@@ -168,7 +174,7 @@ __device__ __forceinline__ void drain(const Params &p, int q, char *smem, bool a
 __device__ __forceinline__ void claim_ahead(const Params &p, uint32_t q, char *smem) {
     Kept &k = kept(smem);
     const uint32_t first = p.queue_offsets[q], count = p.queue_offsets[q + 1] - first;
-    const uint32_t j = atomicAdd(p.counters + p.plan.num_counters + 1 + q, 1u);
+    const uint32_t j = atomicAdd(claim_head(p, q), 1u);
     k.claimed = j, k.ahead_first = first, k.ahead_count = count;
     if (j < count) k.claimed_task = p.tasks[first + j];
 }
