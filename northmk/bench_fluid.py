@@ -25,7 +25,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from .bench_simulate import Lists
+from .megakernel_interpreter import Lists
 from .config import DENSE, ModelConfig
 from .megakernel import Opcode
 

@@ -25,57 +25,13 @@ from collections import defaultdict
 import numpy as np
 
 from .megakernel import Opcode
+from .megakernel_interpreter import Lists
 
 Key = tuple[int, int, int, int, int]  # op, layer, x, y, z
 
 
 def task_keys(tasks: np.ndarray) -> list[Key]:
     return list(zip(*(tasks[f].astype(int).tolist() for f in ("op", "layer", "x", "y", "z"))))
-
-
-class Lists:
-    """The task lists' cursors and the queues' heads as the kernel walks them: `next(sm)` is the
-    list's next task, claiming queue q's next task at a DRAIN(q) entry (held until it ran) and
-    passing the entry once the queue is dry; a list task followed by DRAIN(q) claims q's next
-    task when it is first returned (the kernel's run_list claims it as the list task begins);
-    `ran(sm, i)` moves past task i."""
-
-    def __init__(self, schedule):
-        self.ops = schedule.tasks["op"].astype(int).tolist()
-        self.queue_x = schedule.tasks["x"].astype(int).tolist()
-        self.cursor = [int(o) for o in schedule.sm_offsets[:-1]]
-        self.list_end = [int(o) for o in schedule.sm_offsets[1:]]
-        self.head = [int(o) for o in schedule.queue_offsets[:-1]]
-        self.queue_end = [int(o) for o in schedule.queue_offsets[1:]]
-        self.held: list[int | None] = [None] * schedule.num_sms
-
-    def next(self, sm: int) -> int | None:
-        """The SM's next task, None when its list is done."""
-        while self.cursor[sm] < self.list_end[sm]:
-            i = self.cursor[sm]
-            if self.ops[i] != Opcode.DRAIN:
-                if i + 1 < self.list_end[sm] and self.ops[i + 1] == Opcode.DRAIN and self.held[sm] is None:
-                    self.claim(sm, self.queue_x[i + 1])
-                return i
-            if self.held[sm] is not None:
-                return self.held[sm]
-            if self.claim(sm, self.queue_x[i]):
-                return self.held[sm]
-            self.cursor[sm] += 1
-        return None
-
-    def claim(self, sm: int, q: int) -> bool:
-        """The SM holds queue q's next task, if the queue has one left."""
-        if self.head[q] >= self.queue_end[q]:
-            return False
-        self.held[sm], self.head[q] = self.head[q], self.head[q] + 1
-        return True
-
-    def ran(self, sm: int, i: int) -> None:
-        if self.held[sm] == i:
-            self.held[sm] = None
-        else:
-            self.cursor[sm] += 1
 
 
 def simulate(schedule, run_ns, hop_ns: int = 500, turn_ns: int = 700) -> np.ndarray:

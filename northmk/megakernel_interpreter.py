@@ -270,69 +270,88 @@ class _Step:
             raise ValueError("a DRAIN entry is not a task: execution_order claims its queue's tasks instead")
 
 
+class Lists:
+    """The task lists' cursors and the queues' heads as the kernel walks them (execution_order
+    here, and the timed replays of bench_simulate and bench_fluid): `next(sm)` is the
+    list's next task, claiming queue q's next task at a DRAIN(q) entry (held until it ran) and
+    passing the entry once the queue is dry; a list task followed by DRAIN(q) claims q's next
+    task when it is first returned (the kernel's run_list claims it as the list task begins);
+    `ran(sm, i)` moves past task i."""
+
+    def __init__(self, schedule):
+        self.ops = schedule.tasks["op"].astype(int).tolist()
+        self.queue_x = schedule.tasks["x"].astype(int).tolist()
+        self.cursor = [int(o) for o in schedule.sm_offsets[:-1]]
+        self.list_end = [int(o) for o in schedule.sm_offsets[1:]]
+        self.head = [int(o) for o in schedule.queue_offsets[:-1]]
+        self.queue_end = [int(o) for o in schedule.queue_offsets[1:]]
+        self.held: list[int | None] = [None] * schedule.num_sms
+
+    def next(self, sm: int) -> int | None:
+        """The SM's next task, None when its list is done."""
+        while self.cursor[sm] < self.list_end[sm]:
+            i = self.cursor[sm]
+            if self.ops[i] != Opcode.DRAIN:
+                if i + 1 < self.list_end[sm] and self.ops[i + 1] == Opcode.DRAIN and self.held[sm] is None:
+                    self.claim(sm, self.queue_x[i + 1])
+                return i
+            if self.held[sm] is not None:
+                return self.held[sm]
+            if self.claim(sm, self.queue_x[i]):
+                return self.held[sm]
+            self.cursor[sm] += 1
+        return None
+
+    def claim(self, sm: int, q: int) -> bool:
+        """The SM holds queue q's next task, if the queue has one left."""
+        if self.head[q] >= self.queue_end[q]:
+            return False
+        self.held[sm], self.head[q] = self.head[q], self.head[q] + 1
+        return True
+
+    def ran(self, sm: int, i: int) -> None:
+        if self.held[sm] == i:
+            self.held[sm] = None
+        else:
+            self.cursor[sm] += 1
+
+
+
 def execution_order(schedule: Schedule) -> list[tuple[int, int]]:
     """(sm, index into schedule.tasks) of every task but the DRAIN entries, in an order the
     kernel may run them: round-robin over the SMs, each running as far as its waits allow (a
-    task once every counter of its wait span, schedule.wait_spans(), reached its target); an SM
-    at DRAIN(q) claims queue q's next task and holds it until its wait is met, until q has none
-    left; at the list task before a DRAIN(q) it claims q's next task as it reaches it (the
-    kernel's run_list). Deterministic. RuntimeError if no SM can make progress (a deadlock)."""
+    task once every counter of its wait span, schedule.wait_spans(), reached its target), its
+    list and claims walked as the kernel does (Lists). Deterministic. RuntimeError if no SM can
+    make progress (a deadlock)."""
     tasks, num_sms = schedule.tasks, schedule.num_sms
-    ops, waits, targets, signals = (tasks[f].astype(int).tolist() for f in ("op", "wait", "target", "signal"))
+    waits, targets, signals = (tasks[f].astype(int).tolist() for f in ("wait", "target", "signal"))
     spans = schedule.wait_spans().tolist()
-    queue_x = tasks["x"].astype(int).tolist()
+    num_queues = len(schedule.queue_offsets) - 1
+    for sm in range(num_sms):
+        for t in schedule.tasks_of(sm):
+            if t["op"] == Opcode.DRAIN and int(t["x"]) >= num_queues:
+                raise ValueError(f"SM {sm} drains queue {int(t['x'])}, the schedule has {num_queues}")
     counters = [0] * schedule.plan["num_counters"]
-    cursor = [int(o) for o in schedule.sm_offsets[:-1]]
-    ends = [int(o) for o in schedule.sm_offsets[1:]]
-    head = [int(o) for o in schedule.queue_offsets[:-1]]
-    queue_end = [int(o) for o in schedule.queue_offsets[1:]]
-    held: list[int | None] = [None] * num_sms  # the claimed queue task an SM waits to run
+    lists = Lists(schedule)
     order: list[tuple[int, int]] = []
 
     def ready(i: int) -> bool:
         return all(counters[c] >= targets[i] for c in range(waits[i], waits[i] + spans[i]))
 
-    def run(sm: int, i: int) -> None:
-        order.append((sm, i))
-        if signals[i] >= 0:
-            counters[signals[i]] += 1
-
     progressed = True
     while progressed:
         progressed = False
         for sm in range(num_sms):
-            while cursor[sm] < ends[sm]:
-                i = cursor[sm]
-                if ops[i] == Opcode.DRAIN:
-                    q = queue_x[i]
-                    if q >= len(head):
-                        raise ValueError(f"SM {sm} drains queue {q}, the schedule has {len(head)}")
-                    if held[sm] is None:
-                        if head[q] == queue_end[q]:
-                            cursor[sm] += 1
-                            progressed = True
-                            continue
-                        held[sm], head[q] = head[q], head[q] + 1
-                        progressed = True
-                    if not ready(held[sm]):
-                        break
-                    run(sm, held[sm])
-                    held[sm] = None
-                    continue
-                if held[sm] is None and i + 1 < ends[sm] and ops[i + 1] == Opcode.DRAIN:
-                    q = queue_x[i + 1]
-                    if q < len(head) and head[q] < queue_end[q]:
-                        held[sm], head[q] = head[q], head[q] + 1
-                        progressed = True
-                if not ready(i):
-                    break
-                run(sm, i)
-                cursor[sm] += 1
+            while (i := lists.next(sm)) is not None and ready(i):
+                order.append((sm, i))
+                if signals[i] >= 0:
+                    counters[signals[i]] += 1
+                lists.ran(sm, i)
                 progressed = True
-    stuck = [sm for sm in range(num_sms) if cursor[sm] < ends[sm]]
+    stuck = [sm for sm in range(num_sms) if lists.cursor[sm] < lists.list_end[sm]]
     if stuck:
         raise RuntimeError(f"deadlock: SMs {stuck[:8]} wait forever")
-    undrained = [q for q in range(len(head)) if head[q] < queue_end[q]]
+    undrained = [q for q in range(num_queues) if lists.head[q] < lists.queue_end[q]]
     if undrained:
         raise RuntimeError(f"queues {undrained[:8]} are never drained: no list holds their DRAIN")
     return order

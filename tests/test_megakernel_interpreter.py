@@ -149,6 +149,12 @@ def test_the_list_task_before_a_drain_claims_the_queues_first_task_as_it_is_reac
     assert execution_order(schedule) == [(1, 2), (1, 5), (0, 0), (0, 4)]
 
 
+def test_a_drain_of_a_queue_the_schedule_lacks_is_refused():
+    schedule = hand_made([[(Opcode.OPROJ, 0, 0, -1, 0, -1), (Opcode.DRAIN, 0, 3, -1, 0, -1)]])
+    with pytest.raises(ValueError, match="SM 0 drains queue 3, the schedule has 0"):
+        execution_order(schedule)
+
+
 def test_a_reader_of_a_layers_input_runs_once_every_block_of_it_is_complete():
     # SM 0 completes the first of layer 1's two input blocks, then reaches its QKV tile, which
     # waits on both; SM 1 completes the second. The QKV tile runs last.
