@@ -25,7 +25,8 @@ results log, --plot draws tok/s against batch (northmk.bench_plot). `record` and
 the same later from result files (device runs come back as files, without git); `plot`
 joins the rows of several files (e.g. a --no-peer and a --peer-only run of one session).
 `critical` walks a profiled step's task times (the task-times-b{B}-c{C}.npy a decode run
-writes) back along the chain of tasks that set its length (northmk.bench_critical);
+writes, or that file xz-compressed as .npy.xz) back along the chain of tasks that set its
+length (northmk.bench_critical);
 `simulate` replays that step's schedule in time from its tasks' measured run times
 (northmk.bench_simulate) and says how long it comes out, with and without the gaps between
 tasks; with --what-if it replays the step again with some opcodes' run times changed (QKV=-1.5:
@@ -55,6 +56,7 @@ import argparse
 import datetime
 import importlib.util
 import json
+import lzma
 import math
 import os
 import re
@@ -471,13 +473,25 @@ def profiled_step(args) -> tuple[np.ndarray, object, str]:
     return times, schedule, which
 
 
+def load_times(path: str) -> np.ndarray:
+    """A profiled step's task times: a task-times .npy as a decode run writes it, or the same
+    file xz-compressed (.npy.xz, as benchmarks/ keeps them: a step's times shrink about 8x)."""
+    if str(path).endswith(".xz"):
+        try:
+            with lzma.open(path) as f:
+                return np.load(f, allow_pickle=False)
+        except lzma.LZMAError as e:
+            raise ValueError(f"{path}: not an xz-compressed .npy ({e})") from None
+    return np.load(path, allow_pickle=False)
+
+
 def profiled_run(args) -> tuple[np.ndarray, object, str, ModelConfig, int]:
     """profiled_step's times, schedule and line, and the geometry and context of the step."""
     from .bench_critical import context_bucket
     from .megakernel import Schedule
 
     batch, context = args.batch, args.context
-    named = re.fullmatch(r"task-times-b(\d+)-c(\d+)\.npy", Path(args.times).name)
+    named = re.fullmatch(r"task-times-b(\d+)-c(\d+)\.npy(\.xz)?", Path(args.times).name)
     if named:
         batch = batch or int(named[1])
         context = context or int(named[2])
@@ -487,7 +501,7 @@ def profiled_run(args) -> tuple[np.ndarray, object, str, ModelConfig, int]:
         raise ValueError(f"need 1 <= --batch <= {MAX_BATCH}, --context >= 1, --sms >= 1")
     config = geometry(args.geometry)
     schedule = Schedule(config, args.sms, [context_bucket(context)] * batch)
-    return (np.load(args.times), schedule, f"{args.times}: batch {batch}, context {context}, {args.sms} SMs", config,
+    return (load_times(args.times), schedule, f"{args.times}: batch {batch}, context {context}, {args.sms} SMs", config,
             context)
 
 
@@ -710,7 +724,7 @@ def switches(args) -> str:
 
     if args.min_us < 0:
         raise ValueError("--min-us must be >= 0")
-    return f"{args.times}\n" + switches_report(opcode_switches(np.load(args.times), args.min_us))
+    return f"{args.times}\n" + switches_report(opcode_switches(load_times(args.times), args.min_us))
 
 
 def ops(args) -> str:
@@ -724,7 +738,7 @@ def ops(args) -> str:
         except ValueError:
             raise ValueError(f"--layers {args.layers!r}: want FIRST:LAST (2:46)") from None
         layers = (first, last)
-    return means_report([(path, opcode_means(np.load(path), layers)) for path in args.times])
+    return means_report([(path, opcode_means(load_times(path), layers)) for path in args.times])
 
 
 # ---- command line -----------------------------------------------------------------------
@@ -737,7 +751,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def step_parser(sub, name: str, what: str,
-                times_help: str = "task-times-b{B}-c{C}.npy from a decode run") -> argparse.ArgumentParser:
+                times_help: str = "task-times-b{B}-c{C}.npy from a decode run (or .npy.xz: the same, xz-compressed)") -> argparse.ArgumentParser:
     """A command that reads one profiled step's task times (profiled_step)."""
     parser = sub.add_parser(name, help=what)
     parser.add_argument("times", help=times_help)
@@ -820,11 +834,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     t.add_argument("--min-us", type=float, default=1.5,
                    help="routed expert tasks that ran shorter read nothing (an unused slot's)")
     w = sub.add_parser("switches", help="per opcode, a task's run after its own opcode and after another")
-    w.add_argument("times", help="task-times-b{B}-c{C}.npy from a decode run")
+    w.add_argument("times", help="task-times-b{B}-c{C}.npy from a decode run (or .npy.xz: the same, xz-compressed)")
     w.add_argument("--min-us", type=float, default=0.0,
                    help="leave out of the means tasks that ran shorter (an unused expert slot's)")
     o = sub.add_parser("ops", help="per opcode, the mean run and wait of a task, for one or more profiled steps")
-    o.add_argument("times", nargs="+", help="task-times-b{B}-c{C}.npy from decode runs (an A/B's variants)")
+    o.add_argument("times", nargs="+", help="task-times-b{B}-c{C}.npy from decode runs (an A/B's variants; .npy.xz too)")
     o.add_argument("--layers", metavar="FIRST:LAST",
                    help="the layers whose tasks to average (default: all but the first two and the last two)")
     args = parser.parse_args(argv)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import copy
 import json
 
+import lzma
+
 import numpy as np
 import pytest
 
@@ -251,6 +253,26 @@ def test_critical_command_reads_the_batch_and_context_from_the_file_name(tmp_pat
     np.save(other, timed_step(schedule))
     assert bench.main(["critical", str(other), "--sms", "4", "--geometry", "mk-small"]) == 2
     assert "give --batch and --context" in capsys.readouterr().err
+
+
+def test_reports_read_a_compressed_step_as_the_step(tmp_path, capsys):
+    schedule = Schedule(bench.geometry("mk-small"), 4, [context_bucket(100)] * 2)
+    path = tmp_path / "task-times-b2-c100.npy"
+    np.save(path, timed_step(schedule))
+    packed = tmp_path / "task-times-b2-c100.npy.xz"
+    packed.write_bytes(lzma.compress(path.read_bytes()))
+    for command in (["critical"], ["simulate"], ["ops"], ["switches"]):
+        args = command + ["--sms", "4", "--geometry", "mk-small"] if command[0] in ("critical", "simulate") else command
+        assert bench.main(args[:1] + [str(path)] + args[1:]) == 0
+        plain = capsys.readouterr().out
+        assert bench.main(args[:1] + [str(packed)] + args[1:]) == 0  # batch and context from its name too
+        words = capsys.readouterr().out.split()  # ops pads its columns to the file's name
+        assert words == plain.replace(str(path), str(packed)).split()
+    junk = tmp_path / "task-times-b2-c100.npy.xz"
+    junk.write_bytes(path.read_bytes())  # not compressed
+    assert bench.main(["critical", str(junk), "--sms", "4", "--geometry", "mk-small"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not an xz-compressed .npy" in err[0]
 
 
 def test_opcode_switches_split_each_opcodes_runs_by_the_sms_previous_task(tmp_path, capsys):
