@@ -103,10 +103,13 @@ async def test_max_tokens_zero_scores_the_prompt_and_generates_nothing(make_engi
 
 
 async def test_preempted_requests_deliver_prompt_logprobs_once_and_unchanged(make_engine):
-    # Three 41-token prompts on 4 pages, all admitted mid-page: growing past 64 tokens together
-    # forces a preemption and a recompute.
+    # Three 41-token prompts on 4 pages of 64 tokens: each grows to 3 pages (191 tokens), so any
+    # two rows that decode together run out of pages and one is preempted and recomputed. The
+    # first request's 150 steps give the others' prefills (on the executor, beside the decode
+    # loop) room to start within them however loaded the machine is: with 30 tokens a request,
+    # a late second prefill left nothing to preempt.
     prompts = [[2] + list(range(100 * i + 10, 100 * i + 50)) for i in range(3)]
-    params = dict(max_tokens=30, ignore_eos=True, prompt_logprobs=2)
+    params = dict(max_tokens=150, ignore_eos=True, prompt_logprobs=2)
     roomy = await make_engine(max_batch=3)
     alone = [await run(roomy, f"r{i}", p, **params) for i, p in enumerate(prompts)]
     tight = await make_engine(max_batch=3, num_kv_pages=4)
