@@ -541,8 +541,9 @@ NMK_API nmk_status nmk_schedule_check(const nmk_mk_geometry *geometry, const nmk
  * wait .. wait + span - 1 (v0.6: hidden / NMK_MK_BLOCK_COLS for a reader of a layer's input,
  * 1 for any other task with a wait, 0 for wait = -1), for i < count. The rule the builder, the
  * checker and the kernel follow, for tools that replay a schedule. tasks and spans may be NULL
- * only when count is 0. NMK_ERR_INVALID_ARGUMENT for a NULL argument or a geometry the
- * schedule cannot take. Host only; always available. */
+ * only when count is 0. NMK_ERR_INVALID_ARGUMENT for a NULL argument, a geometry the schedule
+ * cannot take, or a GATE_UP task whose layer is not below num_layers (as nmk_schedule_waits_in_run).
+ * Host only; always available. */
 NMK_API nmk_status nmk_schedule_wait_spans(const nmk_mk_geometry *geometry, const nmk_task *tasks, size_t count,
                                            uint32_t *spans);
 

@@ -67,12 +67,23 @@ NMK_API nmk_status nmk_schedule_queues(const nmk_schedule *schedule, const uint3
     return NMK_OK;
 }
 
+// Both rules ask a GATE_UP task whether its layer is dense: one past the layer table is refused
+// by name (not read past the table, nor taken for a sparse layer).
+static void check_gate_up_layer(const nmk::schedule::Geometry &g, const nmk_task &t, size_t i) {
+    if (t.op == NMK_OP_GATE_UP && t.layer >= g.num_layers)
+        throw nmk::Error(NMK_ERR_INVALID_ARGUMENT, "task " + std::to_string(i) + ": a GATE_UP of layer " +
+                                                       std::to_string(t.layer) + " of " + std::to_string(g.num_layers));
+}
+
 NMK_API nmk_status nmk_schedule_wait_spans(const nmk_mk_geometry *geometry, const nmk_task *tasks, size_t count,
                                            uint32_t *spans) {
     NMK_REQUIRE(geometry && ((tasks && spans) || count == 0), "nmk_schedule_wait_spans: NULL argument");
     return nmk::guard("nmk_schedule_wait_spans", [&] {
         auto g = geometry_of(geometry);
-        for (size_t i = 0; i < count; i++) spans[i] = static_cast<uint32_t>(nmk::schedule::wait_span(g, tasks[i]));
+        for (size_t i = 0; i < count; i++) {
+            check_gate_up_layer(g, tasks[i], i);
+            spans[i] = static_cast<uint32_t>(nmk::schedule::wait_span(g, tasks[i]));
+        }
         return NMK_OK;
     });
 }
@@ -86,13 +97,9 @@ NMK_API nmk_status nmk_schedule_waits_in_run(const nmk_mk_geometry *geometry, ui
         auto g = geometry_of(geometry);
         for (size_t i = 0; i < count; i++) {
             const nmk_task &t = tasks[i];
-            inside[i] = nmk::schedule::waits_in_run(t.op, static_cast<int>(batch), t.wait >= 0, [&] {
-                if (t.layer >= g.num_layers)
-                    throw nmk::Error(NMK_ERR_INVALID_ARGUMENT, "task " + std::to_string(i) + ": a GATE_UP of layer " +
-                                                                   std::to_string(t.layer) + " of " +
-                                                                   std::to_string(g.num_layers));
-                return g.dense[t.layer] != 0;
-            });
+            check_gate_up_layer(g, t, i);
+            inside[i] = nmk::schedule::waits_in_run(t.op, static_cast<int>(batch), t.wait >= 0,
+                                                    [&] { return g.dense[t.layer] != 0; });
         }
         return NMK_OK;
     });

@@ -520,6 +520,8 @@ def test_waits_in_run_are_the_kernels_rule():
     stray["layer"] = SMALL.num_layers
     with pytest.raises(NativeError, match="a GATE_UP of layer 5 of 5"):
         waits_in_run(SMALL, 1, stray)
+    with pytest.raises(NativeError, match="task 0: a GATE_UP of layer 5 of 5"):  # the same rule for spans
+        wait_spans(SMALL, stray)
 
 
 def test_wait_spans_refuse_a_geometry_the_schedule_cannot_take():
