@@ -116,6 +116,11 @@ int pages_per_split(const Geometry &g, const nmk_plan &p, int num_sms, const std
 // complete (the kernel's gemv_normed). The ROUTER tiles come before the QKV tiles: the routing
 // starts the expert phase. Then the DRAIN of the layer's queue, which gets its GATE_UP, ATTN,
 // DOWN and OPROJ tasks. Returns the first block counter of the next layer's input.
+// A queue per layer, although from layer 1 on every list's DRAINs follow one another: the ~1.1
+// us from a drain running dry to the next one's first task is slack. One queue for the whole
+// step removed it and measured -0.5% at batch 1 (the SMs reached the GATE_UP tiles sooner, to
+// wait there for the routing beside the last QKV tiles); a drain that claims the next queue's
+// first task as it runs dry measured -1.5% (benchmarks/NOTES.md, session 42).
 int add_layer(Builder &b, int l, int input, const std::vector<int> &lens, int num_sms) {
     const Geometry &g = b.g;
     const nmk_plan &p = b.s.plan;
