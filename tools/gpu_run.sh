@@ -32,6 +32,11 @@ SANITIZE=${SANITIZE:-0} SANITIZE_FULL=${SANITIZE_FULL:-0} DIAG=${DIAG:-0} TESTS=
 NCU=${NCU:-0} ENGINE=${ENGINE:-0} MOE=${MOE:-0}
 GEMV=${GEMV:-0} EXECUTOR=${EXECUTOR:-0}
 mkdir -p "$OUT"
+# The bench measures the peer itself at every batch unless told --no-peer (minutes more): with
+# PEER=1 as well the peer runs twice, and a device call's limit can cut the stages after it.
+if [ "$BENCH" = 1 ] && [ "$PEER" = 1 ] && [[ " ${*:2} " != *" --no-peer "* ]]; then
+  echo "WARNING: BENCH=1 without --no-peer measures the peer in the bench too; PEER=1 runs it again"
+fi
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
