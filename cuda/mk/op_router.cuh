@@ -11,6 +11,9 @@
 // the layer for itself in its first GATE_UP or DOWN (no ticket, no table) had the routing done
 // 2.3 us sooner but lost 2.6% at batch 1: the first GATE_UP on each SM ran ~1 us longer, and
 // the SMs reach it only after the layer's last QKV tiles anyway (benchmarks/NOTES.md, session 42).
+// Every tile storing its logits as tagged words and routing the layer itself (no ticket, the
+// slot words carrying their rows, DOWN weighing from the words) was level at batch 1: the first
+// GATE_UP ended 0.6 us sooner, but the eight tiles each wait for the last one's words (session 43).
 #pragma once
 
 #include "common.cuh"
