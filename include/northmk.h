@@ -398,9 +398,9 @@ NMK_API nmk_status nmk_sample(const float *logits, uint32_t rows, uint32_t vocab
  *     of a queue q' whose DRAIN comes before DRAIN(q) in every list; and a list task that
  *     waits on a counter a task of queue q signals comes after DRAIN(q) in its list.
  *
- * Counters, then one count of finished CTAs, then the claim heads of the queues
- * (counters[num_counters + 1 + q]) live together in device memory; the last CTA of every
- * step zeroes them all. */
+ * Counters, then the claim heads of the queues (counters[num_counters + q]), live together
+ * in device memory, in two sets that a schedule's launches take in turn: each launch zeroes
+ * the set of the launch before it, so that the step ends with its last task. */
 
 enum { NMK_MK_MAX_BATCH = 8, NMK_MK_MAX_SPLITS = 64, NMK_MK_BLOCK_COLS = 256, NMK_MK_POST_SCALED_MAX_BATCH = 2 };
 

@@ -91,6 +91,7 @@ struct Params {
     float *part;       // [B, kv_heads, MAX_SPLITS, group, head_dim + 2]: acc, max, sum
     bf16 *attn;        // [B, Q] as o-proj's GEMV input in shared memory (in_bytes(Q), in_offset)
     int32_t *slot_expert;  // [slots] expert of each mlp slot (-1 unused) tagged with layer + 1 (op_mlp slot_expert_of)
+    int32_t *spare_slot_expert;  // [slots] the previous launch's table, which this one zeroes (the next one's)
     int32_t *slot_k;       // [slots, B] which of the row's top-k picked this slot, -1 none
     float *slot_w;         // [slots, B] that pick's routing weight (DOWN applies it)
     bf16 *act;             // [slots] DOWN's GEMV input images, in_bytes(max(I, D)) each (op_mlp's act_image)
@@ -100,7 +101,8 @@ struct Params {
     const nmk_task *tasks;
     const uint32_t *sm_offsets;     // SM s runs its list tasks[sm_offsets[s] .. sm_offsets[s + 1])
     const uint32_t *queue_offsets;  // queue q: tasks[queue_offsets[q] .. queue_offsets[q + 1])
-    uint32_t *counters;    // [num_counters + 1 + num_queues]: the counters, finished CTAs, claim heads
+    uint32_t *counters;    // [num_counters + num_queues]: the counters, then the queues' claim heads
+    uint32_t *spare_counters;  // the same of the schedule's previous launch, which this one zeroes (megakernel.cu)
     // debug capture (nmk_mk_set_debug), null when off
     float *debug;              // [num_layers + 1, NMK_MK_DEBUG_STAGES, B, H]
     int32_t *debug_experts;    // [num_layers, B, top_k]

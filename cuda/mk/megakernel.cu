@@ -36,7 +36,8 @@ struct DeviceSchedule {
     nmk_task *tasks;          // the lists, then the queues
     uint32_t *sm_offsets;
     uint32_t *queue_offsets;
-    uint32_t *counters;       // the counters, finished CTAs, the queues' claim heads
+    uint32_t *counters;       // two sets of the counters and the queues' claim heads
+    uint64_t launches = 0;    // set launches % 2 is the next launch's; it zeroes the other one
 };
 
 // Attention splits are sized for this many keys; a step may see fewer.
@@ -60,13 +61,15 @@ struct nmk_mk {
     // outside it (a map entry stays where it is while others are added)
     std::mutex mu;
     cudaStream_t upload = nullptr;  // non-blocking: the uploads wait for no step
+    uint64_t launches = 0;  // steps launched: slot table launches % 2 is the next one's
+    size_t slot_table = 0;  // words of a slot table (alloc_scratch)
 
     ~nmk_mk() {
         if (upload) cudaStreamDestroy(upload);
         for (void *p : owned) cudaFree(p);
     }
 
-    const DeviceSchedule &schedule_for(int batch, int max_len) {
+    DeviceSchedule &schedule_for(int batch, int max_len) {
         auto key = std::make_pair(batch, context_bucket(max_len));
         {
             std::lock_guard<std::mutex> lock(mu);
@@ -77,7 +80,7 @@ struct nmk_mk {
             nmk::schedule::build(geometry, num_sms, std::vector<int>(batch, key.second));
         nmk::schedule::check(geometry, s.plan, s.per_sm, s.queues);
         const nmk::schedule::FlatSchedule f = nmk::schedule::flatten(s);
-        const size_t counters = s.plan.num_counters + 1 + s.plan.num_queues;
+        const size_t counters = 2 * static_cast<size_t>(s.plan.num_counters + s.plan.num_queues);
         cuda_check(cudaSetDevice(device), "cudaSetDevice");
         std::vector<void *> mine;
         DeviceSchedule d{};
@@ -177,13 +180,14 @@ void alloc_scratch(nmk_mk &mk, const nmk_mk_geometry &g) {
     p.part = device_alloc<float>(B * g.num_kv_heads * NMK_MK_MAX_SPLITS * group * (g.head_dim + 2), mk.owned);
     p.attn = device_alloc<bf16>(nmk::mk::in_bytes(static_cast<int>(Q)) / sizeof(bf16), mk.owned);
     cuda_check(cudaMemset(p.attn, 0, nmk::mk::in_bytes(static_cast<int>(Q))), "zero attention output");
-    p.slot_expert = device_alloc<int32_t>(slots, mk.owned);
+    p.slot_expert = device_alloc<int32_t>(2 * slots, mk.owned);  // a table a launch, in turn (nmk_mk_step)
+    mk.slot_table = slots;
     p.slot_k = device_alloc<int32_t>(slots * B, mk.owned);
     p.slot_w = device_alloc<float>(slots * B, mk.owned);
     const size_t act_bytes = slots * nmk::mk::in_bytes(std::max(g.moe_inter, g.dense_inter));
     p.act = device_alloc<bf16>(act_bytes / sizeof(bf16), mk.owned);
     cuda_check(cudaMemset(p.act, 0, act_bytes), "zero activations");
-    cuda_check(cudaMemset(p.slot_expert, 0, slots * sizeof(int32_t)), "zero the slot table (no layer's routing)");
+    cuda_check(cudaMemset(p.slot_expert, 0, 2 * slots * sizeof(int32_t)), "zero the slot tables (no layer's routing)");
     p.lm_best = device_alloc<float>(B * (g.vocab / 8 + 1), mk.owned);
     p.lm_best_index = device_alloc<int32_t>(B * (g.vocab / 8 + 1), mk.owned);
 }
@@ -321,10 +325,17 @@ NMK_API nmk_status nmk_mk_step(nmk_mk *mk, const nmk_mk_step_args *a, void *stre
     for (int g = 0; g < mk->num_groups; g++)
         NMK_REQUIRE(a->block_tables[g], "nmk_mk_step: no block table for KV group %d", g);
     return nmk::guard("nmk_mk_step", [&] {
-        const DeviceSchedule &s = mk->schedule_for(static_cast<int>(a->batch), max_len);
+        DeviceSchedule &s = mk->schedule_for(static_cast<int>(a->batch), max_len);
         nmk::mk::Params p = mk->params;
         p.plan = s.plan;
-        p.tasks = s.tasks, p.sm_offsets = s.sm_offsets, p.queue_offsets = s.queue_offsets, p.counters = s.counters;
+        p.tasks = s.tasks, p.sm_offsets = s.sm_offsets, p.queue_offsets = s.queue_offsets;
+        // Two sets of counters and of slot tables, taken in turn: a launch zeroes the one the launch
+        // before it used (the schedule's, for the counters), which the next launch takes.
+        const size_t set = static_cast<size_t>(s.plan.num_counters + s.plan.num_queues);
+        p.counters = s.counters + (s.launches & 1) * set, p.spare_counters = s.counters + (~s.launches & 1) * set;
+        int32_t *const tables = mk->params.slot_expert;
+        p.slot_expert = tables + (mk->launches & 1) * mk->slot_table;
+        p.spare_slot_expert = tables + (~mk->launches & 1) * mk->slot_table;
         p.tokens = a->tokens;
         for (uint32_t r = 0; r < a->batch; r++) p.positions[r] = a->host_positions[r];
         for (int g = 0; g < NMK_KV_MAX_GROUPS; g++) p.tables[g] = a->block_tables[g];
@@ -339,6 +350,7 @@ NMK_API nmk_status nmk_mk_step(nmk_mk *mk, const nmk_mk_step_args *a, void *stre
         cuda_check(cudaLaunchKernel(nmk::mk::megakernel_for(batch), dim3(mk->num_sms), dim3(nmk::mk::kThreads), args,
                                     nmk::mk::smem_bytes(batch), st),
                    "megakernel launch");
+        s.launches++, mk->launches++;
         return NMK_OK;
     });
 }

@@ -1,6 +1,8 @@
 // The persistent VM: each CTA walks its SM's task list; a task waits on a counter in
-// global memory, runs, and signals. No grid-wide barrier: the last CTA to finish zeroes
-// the counters for the next step.
+// global memory, runs, and signals. No grid-wide barrier. A schedule's counters come in two
+// sets that its launches take in turn: each launch zeroes, beside its first tasks, the set the
+// launch before it used (which has ended: stream order), so that nothing runs after the step's
+// last task.
 #pragma once
 
 #include "op_attention.cuh"
@@ -136,9 +138,9 @@ __device__ __forceinline__ void run_one(const Params &p, uint32_t i, const nmk_t
 // (TaskWords), batch 1 +0.55% (benchmarks/NOTES.md, session 39).
 constexpr int kClaimer = 32;  // lane 0 of warp 1: not thread 0, which signals
 
-// Queue q's claim head: past the counters and the count of finished CTAs (Params::counters).
+// Queue q's claim head: past the counters (Params::counters).
 __device__ __forceinline__ uint32_t *claim_head(const Params &p, uint32_t q) {
-    return p.counters + p.plan.num_counters + 1 + q;
+    return p.counters + p.plan.num_counters + q;
 }
 
 template <int B>
@@ -243,19 +245,18 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(const __grid_constant_
         if (smem_u32(smem) & 1023) __trap();
         kept_init(smem);
     }
+    // The spare set: the counters, claim heads and slot table that the previous launch used and
+    // the next one takes, zeroed here by every thread a word (nothing of this launch reads them).
+    // A slot table is as long as the largest batch's (megakernel.cu's alloc_scratch): a launch of
+    // any batch leaves it zeroed for one of any other.
+    const int words = p.plan.num_counters + p.plan.num_queues;
+    const int slots = min(NMK_MK_MAX_BATCH * p.top_k, p.num_experts);
+    for (int i = blockIdx.x * kThreads + threadIdx.x; i < words + slots; i += gridDim.x * kThreads) {
+        if (i < words) p.spare_counters[i] = 0;
+        else p.spare_slot_expert[i - words] = 0;  // no layer's routing
+    }
     __syncthreads();
     run_list<B>(p, smem);
-    uint32_t *finished = p.counters + p.plan.num_counters;
-    if (threadIdx.x == 0) {
-        __threadfence();
-        if (atomicAdd(finished, 1u) == gridDim.x - 1) {
-            for (int c = 0; c < p.plan.num_counters; c++) p.counters[c] = 0;
-            for (int q = 0; q < p.plan.num_queues; q++) finished[1 + q] = 0;  // claim heads
-            for (int y = 0; y < p.plan.expert_slots; y++) p.slot_expert[y] = 0;  // no layer's routing
-            *finished = 0;
-            __threadfence();
-        }
-    }
 }
 
 }  // namespace nmk::mk
