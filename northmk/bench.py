@@ -187,19 +187,26 @@ def timed_steps(s: DecodeState, steps: int, ahead: bool) -> tuple[float, list[li
     """Seconds a step over `steps` steps, and each step's tokens as the host read them. With
     `ahead`, as the engine's decode loop runs them (decode_ahead, its default): step t + 1, fed
     step t's tokens on the device, is enqueued before step t's tokens are waited for and read,
-    from pinned buffers that the stream fills after each step. Without it, each step's tokens
+    from pinned buffers that a second stream fills after each step (so that nothing sits between
+    two steps' kernels, as in the engine's _enqueue). Without it, each step's tokens
     are read before the next step is enqueued (the engine's --no-decode-ahead)."""
     torch.cuda.synchronize()
     host = [torch.empty(s.tokens.shape, dtype=torch.int32, pin_memory=True) for _ in range(2)]
     copied = [torch.cuda.Event() for _ in range(2)]
+    side = torch.cuda.Stream()
     read = []
     start = time.perf_counter()
     for i in range(steps):
         if not ahead:
             read.append(s.step().tolist())
             continue
-        host[i % 2].copy_(s.step(), non_blocking=True)
-        copied[i % 2].record()
+        tokens = s.step()
+        stepped = torch.cuda.Event()
+        stepped.record()
+        with torch.cuda.stream(side):
+            side.wait_event(stepped)
+            host[i % 2].copy_(tokens, non_blocking=True)
+            copied[i % 2].record()
         if i:
             copied[(i - 1) % 2].synchronize()
             read.append(host[(i - 1) % 2].tolist())

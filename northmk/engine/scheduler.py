@@ -66,6 +66,7 @@ class Scheduler:
         self._host_buffers = [torch.empty(2 * config.max_batch, dtype=torch.int32, pin_memory=True)
                               for _ in range(2)] if device_sampler is not None and runner.kv.pages[0].is_cuda else []
         self._enqueued = 0
+        self._copies: torch.cuda.Stream | None = None  # the stream of the tokens' copies to the host
         self.ahead_steps_taken = 0  # steps enqueued ahead whose tokens were used
         self.ahead_rows_dropped = 0  # rows of steps enqueued ahead whose tokens were not used
         self.ahead_pages_reserved = 0  # rows of steps enqueued ahead whose next position started a page
@@ -136,16 +137,25 @@ class Scheduler:
         both = torch.cat((drawn, logprobs.view(torch.int32))) if any(want) else drawn
         host, done = both, None
         if both.is_cuda:
+            # The copy runs on a stream of its own, after the step: nothing of it sits between this
+            # step's kernel and the next one's (a copy there held the next step ~5 us).
+            if self._copies is None:
+                self._copies = torch.cuda.Stream(both.device)
+            stepped = torch.cuda.Event()
+            stepped.record()
             host = self._host_buffer()[:len(both)]
-            host.copy_(both, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
+            with torch.cuda.stream(self._copies):
+                self._copies.wait_event(stepped)
+                host.copy_(both, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record()
+            both.record_stream(self._copies)  # its memory is not reused before the copy has read it
         return _DeviceStep(ids, positions, tables, drawn, host, done, want, self._epoch)
 
     def _host_buffer(self) -> torch.Tensor:
         """Pinned memory for an enqueued step's tokens and logprobs, two buffers in turn: when a
         step is enqueued, the step enqueued two before it has been waited for and read (or
-        dropped, its copy ordered before this one's on the stream)."""
+        dropped, its copy ordered before this one's on the copy stream)."""
         self._enqueued += 1
         return self._host_buffers[self._enqueued % 2]
 
