@@ -21,10 +21,10 @@ __device__ __forceinline__ SlotWeights expert_weights(const Params &p, const Lay
 // slot's word as its expert (low 16 bits) tagged with layer + 1 (high 16 bits), by a release
 // store, so a GATE_UP task polls the table itself instead of the routing's counter and then the
 // table (one L2 round trip fewer before its weights stream); the next launch zeroes the words
-// (launches take two tables in turn: vm.cuh's megakernel). The CTA's first GATE_UP or DOWN task of the layer loads the table into Kept; its later
-// tasks of the layer read it there. DOWN runs after its slot's GATE_UP, and the next layer's
-// routing after every DOWN of this one, so the table is the layer's for as long as a task of the
-// layer reads it.
+// (launches take two tables in turn: vm.cuh's megakernel). The CTA's first GATE_UP or DOWN task
+// of the layer loads the table into Kept; its later tasks of the layer read it there. DOWN runs
+// after its slot's GATE_UP, and the next layer's routing after every DOWN of this one, so the
+// table is the layer's for as long as a task of the layer reads it.
 __device__ __forceinline__ int slot_expert_of(const Params &p, int layer, int y, char *smem) {
     Kept &k = kept(smem);
     if (k.slots_layer != layer) {  // every thread reads the same Kept
