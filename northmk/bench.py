@@ -844,7 +844,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     w.add_argument("times", help="task-times-b{B}-c{C}.npy from a decode run (or .npy.xz: the same, xz-compressed)")
     w.add_argument("--min-us", type=float, default=0.0,
                    help="leave out of the means tasks that ran shorter (an unused expert slot's)")
-    o = sub.add_parser("ops", help="per opcode, the mean run and wait of a task, for one or more profiled steps")
+    o = sub.add_parser("ops", help="per opcode, the mean run and wait of a task and the SM time a layer, for one "
+                                   "or more profiled steps")
     o.add_argument("times", nargs="+", help="task-times-b{B}-c{C}.npy from decode runs (an A/B's variants; .npy.xz too)")
     o.add_argument("--layers", metavar="FIRST:LAST",
                    help="the layers whose tasks to average (default: all but the first two and the last two)")

@@ -281,7 +281,8 @@ def opcode_means(times: np.ndarray, layers: tuple[int, int] | None = None) -> di
     """A profiled step's span (us, the first wait to the last end) and, per opcode of LAYER_OPS,
     its tasks in layers [first, last] (default: of the layers with QKV tasks, all but the first
     two and the last two, whose tasks overlap the step's start and end), their mean run and
-    mean wait (us): how two builds' steps differ opcode by opcode. The timing records' upper 32
+    mean wait (us) and their runs and waits summed a layer (sm_us): how two builds' steps differ
+    opcode by opcode; and the layer's SM time with the part between tasks (sm_budget). The timing records' upper 32
     bits (a build's diagnostic marks) are ignored. Without the schedule, a task that waits inside
     its run (Schedule.waits_in_run: QKV and ROUTER up to two rows, a sparse layer's GATE_UP)
     counts that wait in its run."""
@@ -298,13 +299,35 @@ def opcode_means(times: np.ndarray, layers: tuple[int, int] | None = None) -> di
     if first > last:
         raise ValueError(f"no layers in {first}:{last}")
     run_us, wait_us = (times[:, 2] - times[:, 1]) / 1e3, (times[:, 1] - times[:, 0]) / 1e3
+    n_layers = last - first + 1
     ops = {}
     for name in LAYER_OPS:
         mine = (op == Opcode[name]) & (layer >= first) & (layer <= last)
         if mine.any():
             ops[name] = {"tasks": int(mine.sum()), "run_us": float(run_us[mine].mean()),
-                         "wait_us": float(wait_us[mine].mean())}
-    return {"span_us": float((times[:, 2].max() - times[:, 0].min()) / 1e3), "layers": (first, last), "ops": ops}
+                         "wait_us": float(wait_us[mine].mean()),
+                         "sm_us": float((run_us[mine] + wait_us[mine]).sum() / n_layers)}
+    return {"span_us": float((times[:, 2].max() - times[:, 0].min()) / 1e3), "layers": (first, last), "ops": ops,
+            "budget": sm_budget(times, first, last)}
+
+
+def sm_budget(times: np.ndarray, first: int, last: int) -> dict | None:
+    """Where the SMs' time of a layer goes, over layers [first, last]: sm_us, the SMs times the
+    mean layer (from the first wait of layer first's tasks to layer last + 1's; None without
+    that layer or with no SM field), and between_us, the SMs' time from the end of a task of
+    those layers to the next record's wait on the same SM, a layer (the DRAIN's entry and claim
+    or a drain run dry; SM 0 holds records without an SM field)."""
+    op, layer, sm = times[:, 3] & 0xFF, (times[:, 3] >> 8) & 0xFF, (times[:, 3] >> 16) & 0xFFFF
+    starts = [times[layer == l, 0].min() for l in (first, last + 1) if (layer == l).any()]
+    if len(starts) < 2 or sm.max() == 0:
+        return None
+    order = np.lexsort((times[:, 0], sm))
+    t, s, l = times[order], sm[order], layer[order]
+    after = (s[1:] == s[:-1]) & (l[:-1] >= first) & (l[:-1] <= last) & (op[order][:-1] != Opcode.DRAIN)
+    between = np.clip(t[1:, 0] - t[:-1, 2], 0, None)[after].sum() / 1e3
+    n_layers = last - first + 1
+    return {"sm_us": float((sm.max() + 1) * (starts[1] - starts[0]) / 1e3 / n_layers),
+            "between_us": float(between / n_layers)}
 
 
 def means_report(named: list[tuple[str, dict]]) -> str:
@@ -318,4 +341,15 @@ def means_report(named: list[tuple[str, dict]]) -> str:
         cells = "".join(f"  {m['ops'][name]['run_us']:5.2f}/{m['ops'][name]['wait_us']:<5.2f}"
                         if name in m["ops"] else f"  {'-':>11}" for name in ops)
         out.append(f"{n:{width}}  {m['span_us']:8.1f}  {m['layers'][0]:>3}-{m['layers'][1]:<3}{cells}".rstrip())
+    budgets = [(n, m) for n, m in named if m.get("budget")]
+    if budgets:
+        out.append("SM-us a layer: the SMs times the layer, then per opcode its tasks' runs and waits, then the "
+                   "SMs' time between tasks (% of the SMs' time):")
+        out.append(f"{'':{width}}  {'SMs':>8}" + "".join(f"  {name:>11}" for name in ops) + f"  {'between':>11}")
+        for n, m in budgets:
+            total = m["budget"]["sm_us"]
+            cells = "".join(f"  {m['ops'][name]['sm_us']:5.0f} {100 * m['ops'][name]['sm_us'] / total:4.1f}%"
+                            if name in m["ops"] else f"  {'-':>11}" for name in ops)
+            between = m["budget"]["between_us"]
+            out.append(f"{n:{width}}  {total:8.0f}{cells}  {between:5.0f} {100 * between / total:4.1f}%")
     return "\n".join(out)

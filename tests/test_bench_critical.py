@@ -319,9 +319,15 @@ def test_opcode_means_average_the_middle_layers_tasks_and_put_steps_side_by_side
     times[:, 3] |= 0x7F << 40
     m = opcode_means(times)
     assert m["layers"] == (2, 3) and m["span_us"] == pytest.approx(512.0)
-    assert m["ops"]["GATE_UP"] == {"tasks": 2, "run_us": pytest.approx(4.5), "wait_us": pytest.approx(2.5)}
-    assert m["ops"]["QKV"] == {"tasks": 2, "run_us": pytest.approx(1.0), "wait_us": 0.0}
+    assert m["ops"]["GATE_UP"] == {"tasks": 2, "run_us": pytest.approx(4.5), "wait_us": pytest.approx(2.5),
+                                   "sm_us": pytest.approx(7.0)}
+    assert m["ops"]["QKV"] == {"tasks": 2, "run_us": pytest.approx(1.0), "wait_us": 0.0, "sm_us": pytest.approx(1.0)}
     assert set(m["ops"]) == {"QKV", "GATE_UP"}
+    # Two SMs over layers 2-3 (200 us from layer 2's first wait to layer 4's): 200 SM-us a layer.
+    # Between tasks: SM 0 from each QKV's end to the next one's wait (99 us twice), SM 1 from each
+    # GATE_UP's end (206, 308 us) to the next one's wait (300, 400): 384 us over two layers.
+    assert m["budget"] == {"sm_us": pytest.approx(200.0), "between_us": pytest.approx(192.0)}
+    assert opcode_means(times, (0, 5))["budget"] is None  # no layer 6 to end layer 5
     assert opcode_means(times, (0, 5))["ops"]["GATE_UP"]["run_us"] == pytest.approx(4.5)
     with pytest.raises(ValueError, match="no layers in 4:3"):
         opcode_means(times, (4, 3))
@@ -339,6 +345,9 @@ def test_opcode_means_average_the_middle_layers_tasks_and_put_steps_side_by_side
     assert out[1].split() == ["span", "us", "layers", "QKV", "GATE_UP"]
     assert out[2].split() == [str(a), "512.0", "2-3", "1.00/0.00", "4.50/2.50"]
     assert out[3].split() == [str(b), "513.0", "2-3", "1.00/0.00", "5.50/2.50"]
+    assert out[4].startswith("SM-us a layer") and out[5].split() == ["SMs", "QKV", "GATE_UP", "between"]
+    assert out[6].split() == [str(a), "200", "1", "0.5%", "7", "3.5%", "192", "96.0%"]
+    assert out[7].split() == [str(b), "200", "1", "0.5%", "8", "4.0%", "191", "95.5%"]
     assert bench.main(["ops", str(a), "--layers", "0:1"]) == 0
     assert capsys.readouterr().out.splitlines()[2].split()[1:] == ["512.0", "0-1", "1.00/0.00", "2.50/0.50"]
     assert bench.main(["ops", str(a), "--layers", "2"]) == 2
