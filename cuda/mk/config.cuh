@@ -40,6 +40,11 @@ static_assert(kHeadDim == 128 && kThreads == 256, "the attention and GEMV tiles 
 // A GEMV input's 32-wide k blocks in shared memory (common.cuh, store_in_chunk), kInBlockBytes apart.
 constexpr int kInBlockBytes = 4 * 128 + 16;
 __host__ __device__ constexpr int in_bytes(int K) { return K / 32 * kInBlockBytes; }
+// Words of a slot table: the expert slots of the largest batch (a launch of any batch zeroes the
+// whole spare table, so that it is clear for a launch of any other).
+__host__ __device__ constexpr int slot_table_words(int top_k, int num_experts) {
+    return NMK_MK_MAX_BATCH * top_k < num_experts ? NMK_MK_MAX_BATCH * top_k : num_experts;
+}
 static_assert(NMK_MK_MAX_BATCH == 8, "GEMV inputs are the n = 8 columns of m16n8k16 tensor-core tiles");
 
 // Loops that run once per task or once per weight burst carry `#pragma unroll 1`: every SM

@@ -62,7 +62,6 @@ struct nmk_mk {
     std::mutex mu;
     cudaStream_t upload = nullptr;  // non-blocking: the uploads wait for no step
     uint64_t launches = 0;  // steps launched: slot table launches % 2 is the next one's
-    size_t slot_table = 0;  // words of a slot table (alloc_scratch)
 
     ~nmk_mk() {
         if (upload) cudaStreamDestroy(upload);
@@ -166,7 +165,7 @@ void bind_layers(nmk_mk &mk, const nmk_mk_geometry &g, const nmk_mk_weights &w) 
 void alloc_scratch(nmk_mk &mk, const nmk_mk_geometry &g) {
     auto &p = mk.params;
     const size_t B = NMK_MK_MAX_BATCH, H = g.hidden, Q = (size_t)g.num_heads * g.head_dim;
-    const size_t slots = std::min(B * g.top_k, (size_t)g.num_experts);
+    const size_t slots = nmk::mk::slot_table_words(g.top_k, g.num_experts);
     const size_t group = g.num_heads / g.num_kv_heads;
     p.resid = device_alloc<float>(3 * B * H, mk.owned);
     p.router_logits = device_alloc<float>(B * g.num_experts, mk.owned);
@@ -181,7 +180,6 @@ void alloc_scratch(nmk_mk &mk, const nmk_mk_geometry &g) {
     p.attn = device_alloc<bf16>(nmk::mk::in_bytes(static_cast<int>(Q)) / sizeof(bf16), mk.owned);
     cuda_check(cudaMemset(p.attn, 0, nmk::mk::in_bytes(static_cast<int>(Q))), "zero attention output");
     p.slot_expert = device_alloc<int32_t>(2 * slots, mk.owned);  // a table a launch, in turn (nmk_mk_step)
-    mk.slot_table = slots;
     p.slot_k = device_alloc<int32_t>(slots * B, mk.owned);
     p.slot_w = device_alloc<float>(slots * B, mk.owned);
     const size_t act_bytes = slots * nmk::mk::in_bytes(std::max(g.moe_inter, g.dense_inter));
@@ -334,8 +332,8 @@ NMK_API nmk_status nmk_mk_step(nmk_mk *mk, const nmk_mk_step_args *a, void *stre
         const size_t set = static_cast<size_t>(s.plan.num_counters + s.plan.num_queues);
         p.counters = s.counters + (s.launches & 1) * set, p.spare_counters = s.counters + (~s.launches & 1) * set;
         int32_t *const tables = mk->params.slot_expert;
-        p.slot_expert = tables + (mk->launches & 1) * mk->slot_table;
-        p.spare_slot_expert = tables + (~mk->launches & 1) * mk->slot_table;
+        const size_t slots = nmk::mk::slot_table_words(p.top_k, p.num_experts);
+        p.slot_expert = tables + (mk->launches & 1) * slots, p.spare_slot_expert = tables + (~mk->launches & 1) * slots;
         p.tokens = a->tokens;
         for (uint32_t r = 0; r < a->batch; r++) p.positions[r] = a->host_positions[r];
         for (int g = 0; g < NMK_KV_MAX_GROUPS; g++) p.tables[g] = a->block_tables[g];

@@ -247,10 +247,7 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(const __grid_constant_
     }
     // The spare set: the counters, claim heads and slot table that the previous launch used and
     // the next one takes, zeroed here by every thread a word (nothing of this launch reads them).
-    // A slot table is as long as the largest batch's (megakernel.cu's alloc_scratch): a launch of
-    // any batch leaves it zeroed for one of any other.
-    const int words = p.plan.num_counters + p.plan.num_queues;
-    const int slots = min(NMK_MK_MAX_BATCH * p.top_k, p.num_experts);
+    const int words = p.plan.num_counters + p.plan.num_queues, slots = slot_table_words(p.top_k, p.num_experts);
     for (int i = blockIdx.x * kThreads + threadIdx.x; i < words + slots; i += gridDim.x * kThreads) {
         if (i < words) p.spare_counters[i] = 0;
         else p.spare_slot_expert[i - words] = 0;  // no layer's routing
