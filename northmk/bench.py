@@ -73,7 +73,7 @@ import torch
 from .checkpoint import synthetic_weights
 from .checkpoint_writer import PRESETS, config_dict
 from .config import PAGE_SIZE, SLIDING, ModelConfig
-from .megakernel import MAX_BATCH, Megakernel, Opcode
+from .megakernel import MAX_BATCH, Megakernel, Opcode, copy_to_host
 from .model.kv import PagedKVCache
 from .model.weights import untile_experts_
 
@@ -192,7 +192,7 @@ def timed_steps(s: DecodeState, steps: int, ahead: bool) -> tuple[float, list[li
     are read before the next step is enqueued (the engine's --no-decode-ahead)."""
     torch.cuda.synchronize()
     host = [torch.empty(s.tokens.shape, dtype=torch.int32, pin_memory=True) for _ in range(2)]
-    copied = [torch.cuda.Event() for _ in range(2)]
+    copied: list[torch.cuda.Event | None] = [None, None]
     side = torch.cuda.Stream()
     read = []
     start = time.perf_counter()
@@ -200,13 +200,7 @@ def timed_steps(s: DecodeState, steps: int, ahead: bool) -> tuple[float, list[li
         if not ahead:
             read.append(s.step().tolist())
             continue
-        tokens = s.step()
-        stepped = torch.cuda.Event()
-        stepped.record()
-        with torch.cuda.stream(side):
-            side.wait_event(stepped)
-            host[i % 2].copy_(tokens, non_blocking=True)
-            copied[i % 2].record()
+        copied[i % 2] = copy_to_host(s.step(), host[i % 2], side)
         if i:
             copied[(i - 1) % 2].synchronize()
             read.append(host[(i - 1) % 2].tolist())

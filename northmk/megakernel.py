@@ -329,6 +329,23 @@ def check_schedule(config: ModelConfig, plan: dict[str, int], tasks: np.ndarray,
                                     len(offsets) - 1, None if queues is None else queues.ctypes.data))
 
 
+def copy_to_host(src: torch.Tensor, dst: torch.Tensor, stream: torch.cuda.Stream) -> torch.cuda.Event:
+    """Copies `src`, which the work enqueued so far on the current stream writes (a step's tokens),
+    into `dst` (pinned host memory) on `stream`, after that work: nothing of the copy sits on the
+    current stream between two steps' kernels (a copy there held the next step ~5 us,
+    tools/step_edges.py). src's memory is not reused before the copy has read it. Returns the
+    copy's completion, an event on `stream`."""
+    stepped = torch.cuda.Event()
+    stepped.record()
+    with torch.cuda.stream(stream):
+        stream.wait_event(stepped)
+        dst.copy_(src, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+    src.record_stream(stream)
+    return done
+
+
 @dataclass
 class MegakernelTrace:
     """What the last step recorded (Megakernel.enable_debug), rows [:batch] of each:

@@ -18,7 +18,7 @@ import time
 import torch
 
 from northmk.bench import DecodeState, geometry, synthetic_weights
-from northmk.megakernel import _lib
+from northmk.megakernel import _lib, copy_to_host
 from northmk.native._lib import check
 
 STEPS = 128
@@ -39,14 +39,12 @@ def main() -> None:
         def between(form: str, tokens: torch.Tensor) -> None:
             if form == "back-to-back":
                 return
+            if form == "side-copy":
+                copy_to_host(tokens, host, side)
+                return
             if form == "copy":
                 host.copy_(tokens, non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record()
-            if form == "side-copy":
-                with torch.cuda.stream(side):
-                    side.wait_event(ev)
-                    host.copy_(tokens, non_blocking=True)
+            torch.cuda.Event().record()
 
         for _ in range(8):
             s.step()

@@ -18,6 +18,7 @@ import torch
 
 from .. import native, telemetry
 from ..config import PAGE_SIZE
+from ..megakernel import copy_to_host
 from .config import EngineConfig
 from .gpu_sampling import DrawParams, GpuSampler, draw_params
 from .metrics import EngineMetrics
@@ -136,20 +137,11 @@ class Scheduler:
             self.greedy_rows_undrawn += len(seqs)
         both = torch.cat((drawn, logprobs.view(torch.int32))) if any(want) else drawn
         host, done = both, None
-        if both.is_cuda:
-            # The copy runs on a stream of its own, after the step: nothing of it sits between this
-            # step's kernel and the next one's (a copy there held the next step ~5 us).
+        if both.is_cuda:  # on a stream of its own, so that nothing sits between two steps' kernels
             if self._copies is None:
                 self._copies = torch.cuda.Stream(both.device)
-            stepped = torch.cuda.Event()
-            stepped.record()
             host = self._host_buffer()[:len(both)]
-            with torch.cuda.stream(self._copies):
-                self._copies.wait_event(stepped)
-                host.copy_(both, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record()
-            both.record_stream(self._copies)  # its memory is not reused before the copy has read it
+            done = copy_to_host(both, host, self._copies)
         return _DeviceStep(ids, positions, tables, drawn, host, done, want, self._epoch)
 
     def _host_buffer(self) -> torch.Tensor:
