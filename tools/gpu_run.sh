@@ -16,6 +16,8 @@
 #   GEMV=1      tools/gemv_bench.cu: the GEMV paths' bandwidth per shape, checked (GEMV_ARGS, e.g. --quick)
 #   EXECUTOR=1  tools/executor_bench.cu: one executor of 8 warps per SM against two of 4 on a batch-1
 #               layer's GEMV mix, checked (EXECUTOR_ARGS, default four --spin-ns waits)
+#   CLUSTER=1   tools/cluster_probe.cu: clusters of the megakernel's shape resident at once, and a
+#               flag's round trip through L2 against a cluster peer's shared memory (CLUSTER_ARGS)
 #   PEER=1      the transformers peer alone (bench --peer-only, PEER_ARGS, its own PEER_TIMEOUT: its
 #               torch.compile of the full model takes minutes), into $OUT/peer
 #   ENGINE=1    tools/engine_bench.py: decode through AsyncEngine on the megakernel backend, decode_ahead
@@ -30,7 +32,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/out}
 SANITIZE=${SANITIZE:-0} SANITIZE_FULL=${SANITIZE_FULL:-0} DIAG=${DIAG:-0} TESTS=${TESTS:-1} BENCH=${BENCH:-1} SERVER=${SERVER:-0} PEER=${PEER:-0}
 NCU=${NCU:-0} ENGINE=${ENGINE:-0} MOE=${MOE:-0}
-GEMV=${GEMV:-0} EXECUTOR=${EXECUTOR:-0}
+GEMV=${GEMV:-0} EXECUTOR=${EXECUTOR:-0} CLUSTER=${CLUSTER:-0}
 mkdir -p "$OUT"
 # The bench measures the peer itself at every batch unless told --no-peer (minutes more): with
 # PEER=1 as well the peer runs twice, and a device call's limit can cut the stages after it.
@@ -59,7 +61,7 @@ export NORTHMK_LIB=$PWD/build/gpu/libnorthmk.so
 echo "build rc=$build_rc in $(( $(date +%s) - t0 ))s"
 [ $build_rc -eq 0 ] || { tail -40 "$OUT/build.log"; exit 1; }
 
-san_rc=- diag_rc=- tests_rc=- bench_rc=- server_rc=- peer_rc=- gemv_rc=- executor_rc=- ncu_rc=- engine_rc=- moe_rc=-
+san_rc=- diag_rc=- tests_rc=- bench_rc=- server_rc=- peer_rc=- gemv_rc=- executor_rc=- cluster_rc=- ncu_rc=- engine_rc=- moe_rc=-
 if [ "$GEMV" = 1 ]; then
   t0=$(date +%s)
   cmake --build build/gpu --target northmk_gemv_bench -j 16 >"$OUT/gemv.log" 2>&1 \
@@ -74,6 +76,13 @@ if [ "$EXECUTOR" = 1 ]; then
       ${EXECUTOR_ARGS:---spin-ns 0 --spin-ns 500 --spin-ns 1000 --spin-ns 2000} >>"$OUT/executor.log" 2>&1
   executor_rc=$?
   echo "executor bench rc=$executor_rc in $(( $(date +%s) - t0 ))s"
+fi
+if [ "$CLUSTER" = 1 ]; then
+  t0=$(date +%s)
+  cmake --build build/gpu --target northmk_cluster_probe -j 16 >"$OUT/cluster.log" 2>&1 \
+    && timeout ${CLUSTER_TIMEOUT:-120} build/gpu/northmk_cluster_probe ${CLUSTER_ARGS:-} >>"$OUT/cluster.log" 2>&1
+  cluster_rc=$?
+  echo "cluster probe rc=$cluster_rc in $(( $(date +%s) - t0 ))s"
 fi
 if [ "$SANITIZE" = 1 ]; then
   # racecheck on the bulk-copy handshakes alone (tools/racecheck_bulk_probe.cu): what the tool
@@ -177,9 +186,10 @@ if tar -czf "$packed" -C "$OUT" --exclude='./0*' . && chmod 644 "$packed" && mv 
 else
   echo "could not pack $OUT/0run.tgz"
 fi
-echo "== summary: build $build_rc, gemv $gemv_rc, executor $executor_rc, sanitize [$san_rc], diag $diag_rc, tests $tests_rc, server $server_rc, bench $bench_rc, peer $peer_rc, ncu $ncu_rc, engine $engine_rc, moe $moe_rc"
+echo "== summary: build $build_rc, gemv $gemv_rc, executor $executor_rc, cluster $cluster_rc, sanitize [$san_rc], diag $diag_rc, tests $tests_rc, server $server_rc, bench $bench_rc, peer $peer_rc, ncu $ncu_rc, engine $engine_rc, moe $moe_rc"
 [ "$GEMV" = 1 ] && tail -30 "$OUT/gemv.log"
 [ "$EXECUTOR" = 1 ] && grep -vE "registers|spill|ptxas|Compiling|^\[" "$OUT/executor.log" | tail -30
+[ "$CLUSTER" = 1 ] && grep -E "SMs|occupancy|round trip|error|usage" "$OUT/cluster.log"
 [ "$DIAG" = 1 ] && grep -E "^ +(0|1|2|3|4|48|49) |^row|first divergence|routing errors" "$OUT/diag.log" | head -40
 [ "$TESTS" = 1 ] && grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -3
 [ "$BENCH" = 1 ] && grep -E "^batch|copy bandwidth|span" "$OUT/bench.log"
