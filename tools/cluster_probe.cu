@@ -4,12 +4,12 @@
 //    threads, each batch size's dynamic shared memory) are resident at once (a persistent kernel
 //    needs one CTA on every SM).
 // 2. Round trips: one CTA hands a flag to another and waits for the answer, `--iters` times,
-//    (a) through global memory (st.release.gpu / ld.acquire.gpu, the counters' path: a line in L2)
-//    and (b) through the other CTA's shared memory in the same cluster (st.release.cluster to its
-//    distributed shared memory, ld.acquire.cluster of its own), each with the device otherwise idle
-//    and with every other SM streaming a buffer several times the L2 from DRAM (8 KB of loads in
-//    flight a warp, as the GEMVs' bursts) — the load under which the chain's round trips ran ~3-4 us
-//    in the megakernel (benchmarks/NOTES.md, session 45).
+//    (a) through global memory (st.release.gpu / ld.acquire.gpu, the counters' path: a line in L2),
+//    the pair in one cluster or in two, and (b) through the other CTA's shared memory in the same
+//    cluster (st.release.cluster to its distributed shared memory, ld.acquire.cluster of its own);
+//    each with the other CTAs idle and with them streaming a buffer several times the L2 from DRAM
+//    (8 KB of loads in flight a warp, as the GEMVs' bursts): the load under which the chain's round
+//    trips ran ~3-4 us in the megakernel (benchmarks/NOTES.md, session 45).
 // Prints one line per measurement; `--stream-mb` sets the streamed buffer.
 #include <cuda_runtime.h>
 
@@ -71,19 +71,20 @@ struct Args {
     unsigned long long *sink;
     uint64_t *result;       // [0] ns of the iterations, [1] iterations done
     int iters;
-    int via_cluster;        // 1: the pair is cluster 0's CTAs 0 and 1, through shared memory
+    int via_cluster;        // 1: through the peer's shared memory (the pair: cluster 0's CTAs 0 and 1)
+    int peer;               // the pair's second CTA (1, or the grid's last: another cluster)
 };
 
-// Cluster 0's first two CTAs play ping-pong (thread 0 of each); every other CTA streams
-// `stream` (if any) until the pair is done.
+// CTAs 0 and a.peer play ping-pong (thread 0 of each); every other CTA streams `stream` (if
+// any) until the pair is done.
 __global__ void __launch_bounds__(kThreads, 1) probe(Args a) {
     extern __shared__ __align__(16) uint32_t smem[];
-    const bool pair = blockIdx.x < 2;
+    const bool pair = blockIdx.x == 0 || blockIdx.x == (unsigned)a.peer;
     if (threadIdx.x == 0) smem[0] = 0;
     cluster_sync();  // the flags are zero before anyone writes a peer's
     if (pair) {
         if (threadIdx.x == 0) {
-            const uint32_t me = blockIdx.x;
+            const uint32_t me = blockIdx.x == 0 ? 0 : 1;
             uint64_t t0 = global_ns();
             for (int i = 1; i <= a.iters; i++) {
                 if (a.via_cluster) {
@@ -114,8 +115,8 @@ __global__ void __launch_bounds__(kThreads, 1) probe(Args a) {
     } else if (a.stream) {
         // Eight 16-byte loads in flight a thread (8 KB a warp), over the CTA's stride of the buffer.
         unsigned long long acc = 0;
-        const size_t per_pass = (size_t)(gridDim.x - 2) * kThreads * 8;
-        size_t i = (size_t)(blockIdx.x - 2) * kThreads * 8 + threadIdx.x;
+        const size_t per_pass = (size_t)gridDim.x * kThreads * 8;
+        size_t i = (size_t)blockIdx.x * kThreads * 8 + threadIdx.x;
         while (!*a.stop) {
             const uint4 *base = a.stream + i % (a.stream_vec - 8 * kThreads);
             uint4 v[8];
@@ -198,13 +199,15 @@ int main(int argc, char **argv) {
     CHECK(cudaMalloc(&stop, sizeof(uint32_t)));
     CHECK(cudaMalloc(&sink, sizeof(unsigned long long)));
     CHECK(cudaMalloc(&result, 2 * sizeof(uint64_t)));
-    for (int via_cluster : {0, 1}) {
+    // (a pair through L2 in one cluster, through L2 across clusters, through shared memory) x (idle, loaded)
+    for (int form = 0; form < 3; form++) {
         for (int loaded : {0, 1}) {
-            const int ctas = loaded ? 2 * resident2 : 2;  // every resident pair: one on each SM but a few
-            for (int rep = 0; rep < 2; rep++) {            // the first launch warms up
+            const int via_cluster = form == 2, ctas = 2 * resident2;  // every pair resident: one CTA an SM, bar a few
+            const int peer = form == 1 ? ctas - 1 : 1;
+            for (int rep = 0; rep < 2; rep++) {  // the first launch warms up
                 CHECK(cudaMemset(flags, 0, 2 * sizeof(uint32_t)));
                 CHECK(cudaMemset(stop, 0, sizeof(uint32_t)));
-                Args a{flags, loaded ? stream : nullptr, stream_vec, stop, sink, result, iters, via_cluster};
+                Args a{flags, loaded ? stream : nullptr, stream_vec, stop, sink, result, iters, via_cluster, peer};
                 cudaLaunchAttribute attr;
                 cudaLaunchConfig_t c = config(ctas, 2, smem, &attr);
                 CHECK(cudaLaunchKernelEx(&c, probe, a));
@@ -212,10 +215,11 @@ int main(int argc, char **argv) {
             }
             uint64_t r[2];
             CHECK(cudaMemcpy(r, result, sizeof(r), cudaMemcpyDeviceToHost));
-            std::printf("round trip through %s, %s: %.3f us (%llu round trips)\n",
-                        via_cluster ? "the peer's shared memory (cluster of 2)" : "global memory (L2)",
-                        loaded ? "the other SMs streaming from DRAM" : "the device idle",
-                        r[0] / 1e3 / (double)r[1], (unsigned long long)r[1]);
+            static const char *kForm[] = {"L2 (the pair in one cluster)", "L2 (the pair in two clusters)",
+                                          "the peer's shared memory (cluster of 2)"};
+            std::printf("round trip through %s, %s: %.3f us (%llu round trips, %d CTAs)\n", kForm[form],
+                        loaded ? "the other CTAs streaming from DRAM" : "the other CTAs idle",
+                        r[0] / 1e3 / (double)r[1], (unsigned long long)r[1], ctas);
         }
     }
     CHECK(cudaFree(stream));
