@@ -69,7 +69,7 @@ struct Args {
     size_t stream_vec;      // its uint4 count
     volatile uint32_t *stop;
     unsigned long long *sink;
-    uint64_t *result;       // [0] ns of the iterations, [1] iterations done
+    uint64_t *result;       // [0] ns of the iterations, [1] iterations done, [2] bytes the others streamed
     int iters;
     int via_cluster;        // 1: through the peer's shared memory (the pair: cluster 0's CTAs 0 and 1)
     int peer;               // the pair's second CTA (1, or the grid's last: another cluster)
@@ -114,7 +114,7 @@ __global__ void __launch_bounds__(kThreads, 1) probe(Args a) {
         }
     } else if (a.stream) {
         // Eight 16-byte loads in flight a thread (8 KB a warp), over the CTA's stride of the buffer.
-        unsigned long long acc = 0;
+        unsigned long long acc = 0, passes = 0;
         const size_t per_pass = (size_t)gridDim.x * kThreads * 8;
         size_t i = (size_t)blockIdx.x * kThreads * 8 + threadIdx.x;
         while (!*a.stop) {
@@ -128,8 +128,10 @@ __global__ void __launch_bounds__(kThreads, 1) probe(Args a) {
 #pragma unroll
             for (int j = 0; j < 8; j++) acc += v[j].x ^ v[j].w;
             i += per_pass;
+            passes++;
         }
         if (acc == 0x1234567) a.sink[0] = acc;  // keeps the loads
+        atomicAdd(reinterpret_cast<unsigned long long *>(a.result + 2), passes * 8 * sizeof(uint4));
     }
     cluster_sync();  // no CTA leaves while a peer may still write its shared memory
 }
@@ -198,7 +200,7 @@ int main(int argc, char **argv) {
     CHECK(cudaMalloc(&flags, 2 * sizeof(uint32_t)));
     CHECK(cudaMalloc(&stop, sizeof(uint32_t)));
     CHECK(cudaMalloc(&sink, sizeof(unsigned long long)));
-    CHECK(cudaMalloc(&result, 2 * sizeof(uint64_t)));
+    CHECK(cudaMalloc(&result, 3 * sizeof(uint64_t)));
     // (a pair through L2 in one cluster, through L2 across clusters, through shared memory) x (idle, loaded)
     for (int form = 0; form < 3; form++) {
         for (int loaded : {0, 1}) {
@@ -207,19 +209,21 @@ int main(int argc, char **argv) {
             for (int rep = 0; rep < 2; rep++) {  // the first launch warms up
                 CHECK(cudaMemset(flags, 0, 2 * sizeof(uint32_t)));
                 CHECK(cudaMemset(stop, 0, sizeof(uint32_t)));
+                CHECK(cudaMemset(result, 0, 3 * sizeof(uint64_t)));
                 Args a{flags, loaded ? stream : nullptr, stream_vec, stop, sink, result, iters, via_cluster, peer};
                 cudaLaunchAttribute attr;
                 cudaLaunchConfig_t c = config(ctas, 2, smem, &attr);
                 CHECK(cudaLaunchKernelEx(&c, probe, a));
                 CHECK(cudaDeviceSynchronize());
             }
-            uint64_t r[2];
+            uint64_t r[3];
             CHECK(cudaMemcpy(r, result, sizeof(r), cudaMemcpyDeviceToHost));
             static const char *kForm[] = {"L2 (the pair in one cluster)", "L2 (the pair in two clusters)",
                                           "the peer's shared memory (cluster of 2)"};
-            std::printf("round trip through %s, %s: %.3f us (%llu round trips, %d CTAs)\n", kForm[form],
-                        loaded ? "the other CTAs streaming from DRAM" : "the other CTAs idle",
-                        r[0] / 1e3 / (double)r[1], (unsigned long long)r[1], ctas);
+            // the others' bytes over the pair's time: their stream's rate (they start and stop about with it)
+            std::printf("round trip through %s, %s: %.3f us (%llu round trips, %d CTAs; %.2f TB/s streamed)\n",
+                        kForm[form], loaded ? "the other CTAs streaming from DRAM" : "the other CTAs idle",
+                        r[0] / 1e3 / (double)r[1], (unsigned long long)r[1], ctas, r[2] / (double)r[0] / 1e3);
         }
     }
     CHECK(cudaFree(stream));
