@@ -62,25 +62,29 @@ echo "build rc=$build_rc in $(( $(date +%s) - t0 ))s"
 [ $build_rc -eq 0 ] || { tail -40 "$OUT/build.log"; exit 1; }
 
 san_rc=- diag_rc=- tests_rc=- bench_rc=- server_rc=- peer_rc=- gemv_rc=- executor_rc=- cluster_rc=- ncu_rc=- engine_rc=- moe_rc=-
+# run_tool NAME TARGET LIMIT [ARGS...]: builds a tool's target and runs it for at most LIMIT
+# seconds, both into $OUT/NAME.log; returns its status.
+run_tool() {
+  local log=$OUT/$1.log target=$2 limit=$3
+  shift 3
+  cmake --build build/gpu --target "$target" -j 16 >"$log" 2>&1 && timeout "$limit" "build/gpu/$target" "$@" >>"$log" 2>&1
+}
 if [ "$GEMV" = 1 ]; then
   t0=$(date +%s)
-  cmake --build build/gpu --target northmk_gemv_bench -j 16 >"$OUT/gemv.log" 2>&1 \
-    && timeout ${GEMV_TIMEOUT:-90} build/gpu/northmk_gemv_bench ${GEMV_ARGS:-} >>"$OUT/gemv.log" 2>&1
+  run_tool gemv northmk_gemv_bench "${GEMV_TIMEOUT:-90}" ${GEMV_ARGS:-}
   gemv_rc=$?
   echo "gemv bench rc=$gemv_rc in $(( $(date +%s) - t0 ))s"
 fi
 if [ "$EXECUTOR" = 1 ]; then
   t0=$(date +%s)
-  cmake --build build/gpu --target northmk_executor_bench -j 16 >"$OUT/executor.log" 2>&1 \
-    && timeout ${EXECUTOR_TIMEOUT:-300} build/gpu/northmk_executor_bench \
-      ${EXECUTOR_ARGS:---spin-ns 0 --spin-ns 500 --spin-ns 1000 --spin-ns 2000} >>"$OUT/executor.log" 2>&1
+  run_tool executor northmk_executor_bench "${EXECUTOR_TIMEOUT:-300}" \
+    ${EXECUTOR_ARGS:---spin-ns 0 --spin-ns 500 --spin-ns 1000 --spin-ns 2000}
   executor_rc=$?
   echo "executor bench rc=$executor_rc in $(( $(date +%s) - t0 ))s"
 fi
 if [ "$CLUSTER" = 1 ]; then
   t0=$(date +%s)
-  cmake --build build/gpu --target northmk_cluster_probe -j 16 >"$OUT/cluster.log" 2>&1 \
-    && timeout ${CLUSTER_TIMEOUT:-120} build/gpu/northmk_cluster_probe ${CLUSTER_ARGS:-} >>"$OUT/cluster.log" 2>&1
+  run_tool cluster northmk_cluster_probe "${CLUSTER_TIMEOUT:-120}" ${CLUSTER_ARGS:-}
   cluster_rc=$?
   echo "cluster probe rc=$cluster_rc in $(( $(date +%s) - t0 ))s"
 fi
