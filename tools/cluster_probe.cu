@@ -19,17 +19,14 @@
 #include <cstring>
 
 #include "cuda_check.h"
-#include "mk/config.cuh"
+#include "mk/common.cuh"
 
 namespace {
 
+using nmk::mk::global_ns;
+using nmk::mk::load_acquire;
 constexpr int kThreads = nmk::mk::kThreads;
 
-__device__ __forceinline__ uint32_t ld_acquire_gpu(const uint32_t *p) {
-    uint32_t v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
 __device__ __forceinline__ void st_release_gpu(uint32_t *p, uint32_t v) {
     asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
@@ -55,11 +52,6 @@ __device__ __forceinline__ uint32_t cluster_rank() {
 // Every thread of the cluster's CTAs (the non-aligned form: threads may arrive from divergent paths).
 __device__ __forceinline__ void cluster_sync() {
     asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
-}
-__device__ __forceinline__ uint64_t global_ns() {
-    uint64_t t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
 }
 
 struct Args {
@@ -98,9 +90,9 @@ __global__ void __launch_bounds__(kThreads, 1) probe(Args a) {
                 } else {
                     if (me == 0) {
                         st_release_gpu(a.flags, i);
-                        while (ld_acquire_gpu(a.flags + 1) != (uint32_t)i) {}
+                        while (load_acquire(a.flags + 1) != (uint32_t)i) {}
                     } else {
-                        while (ld_acquire_gpu(a.flags) != (uint32_t)i) {}
+                        while (load_acquire(a.flags) != (uint32_t)i) {}
                         st_release_gpu(a.flags + 1, i);
                     }
                 }

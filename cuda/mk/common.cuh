@@ -85,6 +85,13 @@ __device__ __forceinline__ uint32_t load_acquire(const uint32_t *p) {
     return v;
 }
 
+// The device's nanosecond clock (globaltimer): the tasks' timing records.
+__device__ __forceinline__ uint64_t global_ns() {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
 // An add that returns the old value, releasing the CTA's writes (as red_release) and
 // acquiring the writes the earlier adders released.
 __device__ __forceinline__ uint32_t atom_add_acq_rel(uint32_t *p, uint32_t v) {

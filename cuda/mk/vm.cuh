@@ -82,12 +82,6 @@ __device__ __forceinline__ void run_task(const Params &p, const nmk_task &t, cha
     }
 }
 
-__device__ __forceinline__ uint64_t global_ns() {
-    uint64_t t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
-
 // The VM's functions are force-inlined: left to itself, the front end outlined one of them once
 // the tasks' code grew (session 33), and a call anywhere in the kernel makes ptxas serialize
 // every wgmma (C7510): batch 1 -7%.
