@@ -550,8 +550,9 @@ NMK_API nmk_status nmk_schedule_wait_spans(const nmk_mk_geometry *geometry, cons
 /* inside[i] = 1 when tasks[i], a task of a step of `batch` rows, waits for its counters inside its
  * run rather than before it (so its timing record's start stamp precedes its wait), else 0, for
  * i < count: a task with a wait that is a QKV or ROUTER tile up to NMK_MK_POST_SCALED_MAX_BATCH
- * rows (it starts on each block of its input once that block's counter is complete) or a sparse
- * layer's GATE_UP (it polls the routing itself). The rule the kernel follows, for tools that read
+ * rows (it starts on each block of its input once that block's counter is complete), a sparse
+ * layer's GATE_UP (it polls the routing itself) or an attention split (it loads its page numbers
+ * first). The rule the kernel follows, for tools that read
  * its task times. tasks and inside may be NULL only when count is 0. NMK_ERR_INVALID_ARGUMENT for
  * a NULL argument, a batch outside 1..NMK_MK_MAX_BATCH, a geometry the schedule cannot take, or a
  * GATE_UP task whose layer is not below num_layers. Host only; always available. */

@@ -85,8 +85,9 @@ __device__ inline void merge_splits(const Params &p, AttnSmem &s, int b, int kvh
 #pragma unroll 1
             for (int i = threadIdx.x; i < splits * G; i += kThreads) {
                 const float *part = parts + i / G * split_stride + i % G * kPartStride;
-                s.split_w[i / G][i % G] = load_l2(part + kHeadDim);
-                s.split_l[i / G][i % G] = load_l2(part + kHeadDim + 1);
+                const float w = load_l2(part + kHeadDim), l = load_l2(part + kHeadDim + 1);  // both loads first
+                s.split_w[i / G][i % G] = w;
+                s.split_l[i / G][i % G] = l;
             }
             __syncthreads();
             // Warp g weighs head g's splits (lanes take splits lane, lane + 32).
@@ -122,7 +123,11 @@ __device__ inline void merge_splits(const Params &p, AttnSmem &s, int b, int kvh
     }
 }
 
-__device__ inline void run_attention(const Params &p, int layer, int b, int kvh, int split, int splits, char *smem) {
+// The split waits for QKV itself (counter `wait` at `target`) once its page numbers, which the
+// host wrote before the step, are loaded: its first copies go out as soon as the wait passes
+// (with its queries' loads, batch 2 +0.8%, batch 8 +0.4%; benchmarks/NOTES.md, session 47).
+__device__ inline void run_attention(const Params &p, int layer, int b, int kvh, int split, int splits, char *smem,
+                                     int wait, uint32_t target) {
     const Layer &L = p.layers[layer];
     char *ring = smem;
     AttnSmem &s = *reinterpret_cast<AttnSmem *>(smem + kAttnRingBytes);
@@ -155,23 +160,36 @@ __device__ inline void run_attention(const Params &p, int layer, int b, int kvh,
         // sessions 28 and 30).
         tensor_load_5d(dst, map, 0, 0, 0, 0, layer_page * 2 * p.num_kv_heads + kvh, &s.full[slot]);
     };
+    int first[kAttnSlots] = {};  // thread 0's
+    if (threadIdx.x == 0)
+#pragma unroll
+        for (int i = 0; i < kAttnSlots; i++) first[i] = i < np ? load_l2(table + i) : 0;
+    for (int i = threadIdx.x; i < min(np, kListedPages); i += kThreads) s.page[i] = load_l2(table + i);
+    if (wait >= 0 && threadIdx.x == 0)
+        while (load_acquire(p.counters + wait) < target) __nanosleep(20);
+    __syncthreads();
     if (threadIdx.x == 0) {
         for (int j = 0; j < kAttnSlots; j++) mbar_init(&s.full[j], 1), mbar_init(&s.empty[j], kThreads);
         mbar_init_fence();
         fence_proxy_async();  // the keys QKV wrote (acquired by the wait) and this smem's last use
-        int first[kAttnSlots];
-#pragma unroll
-        for (int i = 0; i < kAttnSlots; i++) first[i] = i < np ? load_l2(table + i) : 0;
 #pragma unroll
         for (int i = 0; i < kAttnSlots; i++)
             if (i < np) issue(i, first[i]);
     }
-    for (int i = threadIdx.x; i < min(np, kListedPages); i += kThreads) s.page[i] = load_l2(table + i);
-    // The group's queries (bf16-exact values) as bf16; heads past G are zero.
-    for (int i = threadIdx.x; i < kMaxGroup * kHeadDim; i += kThreads) {
-        const int h = i / kHeadDim, d = i % kHeadDim;
-        s.q[h][d] = __float2bfloat16(
-            h < G ? load_l2(p.q + (size_t)b * p.num_heads * kHeadDim + (kvh * G + h) * kHeadDim + d) : 0.f);
+    // The group's queries (bf16-exact values) as bf16; heads past G are zero. Every thread's
+    // loads go out before its first store: a loop whose load sat behind the head's test and
+    // before its store waited an L2 round trip per iteration, four in a row.
+    constexpr int kQPerThread = kMaxGroup * kHeadDim / kThreads;
+    float qv[kQPerThread];
+#pragma unroll
+    for (int j = 0; j < kQPerThread; j++) {
+        const int i = threadIdx.x + j * kThreads, h = min(i / kHeadDim, G - 1), d = i % kHeadDim;
+        qv[j] = load_l2(p.q + (size_t)b * p.num_heads * kHeadDim + (kvh * G + h) * kHeadDim + d);
+    }
+#pragma unroll
+    for (int j = 0; j < kQPerThread; j++) {
+        const int i = threadIdx.x + j * kThreads, h = i / kHeadDim, d = i % kHeadDim;
+        s.q[h][d] = __float2bfloat16(h < G ? qv[j] : 0.f);
     }
     __syncthreads();
     // The lane's A fragments: head g, chunk kc(j) = 2t + 8 (j / 2) + j % 2, dims 8 kc(j) .. + 7,

@@ -19,8 +19,8 @@ namespace nmk::mk {
 // Waits until counter `c` reaches target: thread 0 polls with acquire loads, then a barrier.
 // Counters only grow during a step, so once the CTA has acquired a counter at a target (the
 // last such wait, in Kept) a wait for no more than that passes without a poll: the writes it
-// orders were acquired then (queue tasks of one opcode wait on one counter: attention's on
-// QKV, o-proj's on attention).
+// orders were acquired then (queue tasks of one opcode wait on one counter: o-proj's on
+// attention).
 __device__ __forceinline__ void wait_for(const Params &p, int c, uint32_t target, char *smem) {
     Kept &k = kept(smem);
     if (c == k.seen && target <= k.seen_target) return;  // every thread reads the same Kept
@@ -53,7 +53,7 @@ __device__ __forceinline__ bool waits_for_blocks(const Params &p, const nmk_task
 // Tasks that wait for their input themselves, not the VM before they run (schedule::waits_in_run):
 // QKV and ROUTER tiles up to kStagedMaxBatch rows, each chunk for its block after their first
 // weight burst is issued (gemv_normed); a sparse layer's GATE_UP, which polls the routing's slot
-// table (slot_expert_of).
+// table (slot_expert_of); an attention split, once its page numbers are loaded (run_attention).
 template <int B>
 __device__ __forceinline__ bool own_wait(const Params &p, const nmk_task &t) {
     return schedule::waits_in_run(t.op, B, t.wait >= 0, [&] { return p.layers[t.layer].dense; });
@@ -72,7 +72,7 @@ __device__ __forceinline__ void run_task(const Params &p, const nmk_task &t, cha
             return run_qkv<B>(p, t.layer, t.x, smem, own_wait<B>(p, t) ? p.counters + t.wait : nullptr, t.target);
         case NMK_OP_ROUTER:
             return run_router<B>(p, t.layer, t.x, smem, own_wait<B>(p, t) ? p.counters + t.wait : nullptr, t.target);
-        case NMK_OP_ATTN: return run_attention(p, t.layer, t.x, t.y, t.z & 0xff, t.z >> 8, smem);
+        case NMK_OP_ATTN: return run_attention(p, t.layer, t.x, t.y, t.z & 0xff, t.z >> 8, smem, t.wait, t.target);
         case NMK_OP_OPROJ: return run_oproj<B>(p, t.layer, t.x, smem);
         case NMK_OP_GATE_UP: return run_gate_up<B>(p, t.layer, t.x, t.y, smem);
         case NMK_OP_DOWN: return run_down<B>(p, t.layer, t.x, t.y, smem);

@@ -25,13 +25,15 @@ NMK_HOST_DEVICE inline bool waits_on_blocks(int op, Dense dense) {
 
 // Whether a task of a step of `batch` rows that waits (`waits`: it has a counter) waits for it
 // inside its run: up to NMK_MK_POST_SCALED_MAX_BATCH rows the QKV and ROUTER tiles, each chunk of
-// their input once its block's counter is complete (the kernel's gemv_normed), and a sparse
-// layer's GATE_UP, which polls the routing's slot table itself (op_mlp's slot_expert_of). Their
-// start stamp comes before the wait. dense() as for waits_on_blocks.
+// their input once its block's counter is complete (the kernel's gemv_normed); a sparse layer's
+// GATE_UP, which polls the routing's slot table itself (op_mlp's slot_expert_of); an attention
+// split, which loads its page numbers before it waits for QKV (op_attention's run_attention).
+// Their start stamp comes before the wait. dense() as for waits_on_blocks.
 template <class Dense>
 NMK_HOST_DEVICE inline bool waits_in_run(int op, int batch, bool waits, Dense dense) {
     if (!waits) return false;
     if (op == NMK_OP_GATE_UP) return !dense();
+    if (op == NMK_OP_ATTN) return true;
     return batch <= NMK_MK_POST_SCALED_MAX_BATCH && (op == NMK_OP_QKV || op == NMK_OP_ROUTER);
 }
 

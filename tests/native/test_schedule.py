@@ -494,18 +494,19 @@ def test_wait_spans_are_the_librarys_rule():
 
 def test_waits_in_run_are_the_kernels_rule():
     """Up to two rows the QKV and ROUTER tiles wait for their input's blocks inside their run, and
-    at any batch a sparse layer's GATE_UP polls the routing inside its run; everything else (a
-    dense layer's GATE_UP, a task without a wait) is waited for before it runs: the rule
-    nmk_schedule_waits_in_run shares with the kernel (block_wait.hpp)."""
+    at any batch a sparse layer's GATE_UP polls the routing and an attention split waits for QKV
+    inside its run; everything else (a dense layer's GATE_UP, a task without a wait) is waited for
+    before it runs: the rule nmk_schedule_waits_in_run shares with the kernel (block_wait.hpp)."""
     rows = [(Opcode.QKV, 1, 7), (Opcode.ROUTER, 2, 7), (Opcode.GATE_UP, 1, 7), (Opcode.GATE_UP, 0, 7),
-            (Opcode.LM_HEAD, SMALL.num_layers, 7), (Opcode.OPROJ, 1, 7), (Opcode.NORM, 0, -1), (Opcode.QKV, 0, -1)]
+            (Opcode.LM_HEAD, SMALL.num_layers, 7), (Opcode.OPROJ, 1, 7), (Opcode.NORM, 0, -1), (Opcode.QKV, 0, -1),
+            (Opcode.ATTN, 1, 7)]
     tasks = np.zeros(len(rows), dtype=TASK_DTYPE)
     tasks["op"], tasks["layer"], tasks["wait"] = zip(*rows)
     assert SMALL.mlp_types[0] == DENSE and SMALL.mlp_types[1] != DENSE
     for batch in (1, 2):
-        assert waits_in_run(SMALL, batch, tasks).tolist() == [True, True, True, False, False, False, False, False]
+        assert waits_in_run(SMALL, batch, tasks).tolist() == [True, True, True, False, False, False, False, False, True]
     for batch in (3, 8):
-        assert waits_in_run(SMALL, batch, tasks).tolist() == [False, False, True, False, False, False, False, False]
+        assert waits_in_run(SMALL, batch, tasks).tolist() == [False, False, True, False, False, False, False, False, True]
     assert waits_in_run(SMALL, 1, tasks[:0]).tolist() == []
     for lens, staged in (([100, 100], True), ([100, 100, 100], False)):  # a built schedule's tasks
         s = Schedule(SMALL, 8, lens)
