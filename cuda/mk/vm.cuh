@@ -93,7 +93,9 @@ __device__ __forceinline__ void run_task(const Params &p, const nmk_task &t, cha
 // static weights before the wait cost 1-2.5% of the step, register preloads of a task's first
 // burst 1-3%, a shared-memory preload of the next QKV or router tile's first rows 2-3%: reads
 // added at a layer's tail slow its last tasks. A bulk L2 prefetch of the first burst after the
-// wait, while the task stages its input, lost 2.5% too: the tasks got longer (benchmarks/NOTES.md).
+// wait, while the task stages its input, lost 2.5% too: the tasks got longer; so did one of the
+// layer's keys and values by its QKV tiles (-3.4%: attention ran only ~0.5 us faster from L2)
+// (benchmarks/NOTES.md).
 template <int B, class Claim, class Fetch>
 __device__ __forceinline__ void run_one(const Params &p, uint32_t i, const nmk_task &t, char *smem, Claim claim,
                                         Fetch fetch) {
