@@ -552,10 +552,10 @@ NMK_API nmk_status nmk_schedule_wait_spans(const nmk_mk_geometry *geometry, cons
  * i < count: a task with a wait that is a QKV or ROUTER tile up to NMK_MK_POST_SCALED_MAX_BATCH
  * rows (it starts on each block of its input once that block's counter is complete), a sparse
  * layer's GATE_UP (it polls the routing itself) or an attention split (it loads its page numbers
- * first). The rule the kernel follows, for tools that read
- * its task times. tasks and inside may be NULL only when count is 0. NMK_ERR_INVALID_ARGUMENT for
- * a NULL argument, a batch outside 1..NMK_MK_MAX_BATCH, a geometry the schedule cannot take, or a
- * GATE_UP task whose layer is not below num_layers. Host only; always available. */
+ * first). The rule the kernel follows, for tools that read its task times. tasks and inside may
+ * be NULL only when count is 0. NMK_ERR_INVALID_ARGUMENT for a NULL argument, a batch outside
+ * 1..NMK_MK_MAX_BATCH, a geometry the schedule cannot take, or a GATE_UP task whose layer is not
+ * below num_layers. Host only; always available. */
 NMK_API nmk_status nmk_schedule_waits_in_run(const nmk_mk_geometry *geometry, uint32_t batch, const nmk_task *tasks,
                                              size_t count, uint8_t *inside);
 

@@ -297,8 +297,8 @@ def wait_spans(config: ModelConfig, tasks: np.ndarray) -> np.ndarray:
 def waits_in_run(config: ModelConfig, batch: int, tasks: np.ndarray) -> np.ndarray:
     """Per task of a TASK_DTYPE array, of a step of `batch` rows: whether it waits for its counters
     inside its run, its start stamp before its wait (up to POST_SCALED_MAX_BATCH rows the QKV and
-    ROUTER tiles, and a sparse layer's GATE_UP; only tasks with a wait). The kernel's rule
-    (nmk_schedule_waits_in_run)."""
+    ROUTER tiles, a sparse layer's GATE_UP and every attention split; only tasks with a wait). The
+    kernel's rule (nmk_schedule_waits_in_run)."""
     tasks = np.ascontiguousarray(tasks, dtype=TASK_DTYPE)
     inside = np.zeros(len(tasks), dtype=np.uint8)
     geometry = _GeometryRef(config)

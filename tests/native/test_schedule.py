@@ -513,6 +513,7 @@ def test_waits_in_run_are_the_kernels_rule():
         inside, op = s.waits_in_run(), s.tasks["op"]
         reader = np.isin(op, (Opcode.QKV, Opcode.ROUTER)) & (s.tasks["wait"] >= 0)
         assert (inside[reader] == staged).all() and not inside[s.tasks["wait"] < 0].any()
+        assert (op == Opcode.ATTN).any() and inside[op == Opcode.ATTN].all()
         assert (inside[op == Opcode.GATE_UP] == (s.wait_spans()[op == Opcode.GATE_UP] == 1)).all()
     for batch in (0, 9):
         with pytest.raises(NativeError, match=r"batch must be in \[1, 8\]"):
