@@ -160,10 +160,7 @@ __device__ inline void run_attention(const Params &p, int layer, int b, int kvh,
         // sessions 28 and 30).
         tensor_load_5d(dst, map, 0, 0, 0, 0, layer_page * 2 * p.num_kv_heads + kvh, &s.full[slot]);
     };
-    int first[kAttnSlots] = {};  // thread 0's
-    if (threadIdx.x == 0)
-#pragma unroll
-        for (int i = 0; i < kAttnSlots; i++) first[i] = i < np ? load_l2(table + i) : 0;
+    static_assert(kAttnSlots <= kListedPages, "the first copies take their pages from s.page");
     for (int i = threadIdx.x; i < min(np, kListedPages); i += kThreads) s.page[i] = load_l2(table + i);
     if (wait >= 0 && threadIdx.x == 0)
         while (load_acquire(p.counters + wait) < target) __nanosleep(20);
@@ -174,7 +171,7 @@ __device__ inline void run_attention(const Params &p, int layer, int b, int kvh,
         fence_proxy_async();  // the keys QKV wrote (acquired by the wait) and this smem's last use
 #pragma unroll
         for (int i = 0; i < kAttnSlots; i++)
-            if (i < np) issue(i, first[i]);
+            if (i < np) issue(i, s.page[i]);
     }
     // The group's queries (bf16-exact values) as bf16; heads past G are zero. Every thread's
     // loads go out before its first store: a loop whose load sat behind the head's test and
