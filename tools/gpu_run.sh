@@ -18,6 +18,8 @@
 #               layer's GEMV mix, checked (EXECUTOR_ARGS, default four --spin-ns waits)
 #   CLUSTER=1   tools/cluster_probe.cu: clusters of the megakernel's shape resident at once, and a
 #               flag's round trip through L2 against a cluster peer's shared memory (CLUSTER_ARGS)
+#   LOCKSTEP=1  tools/lockstep_probe.cu: o-proj- and QKV-shaped tiles streamed by CTAs started
+#               together, apart, at a padded stride or in a rotated order (LOCKSTEP_ARGS)
 #   PEER=1      the transformers peer alone (bench --peer-only, PEER_ARGS, its own PEER_TIMEOUT: its
 #               torch.compile of the full model takes minutes), into $OUT/peer
 #   ENGINE=1    tools/engine_bench.py: decode through AsyncEngine on the megakernel backend, decode_ahead
@@ -32,7 +34,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/out}
 SANITIZE=${SANITIZE:-0} SANITIZE_FULL=${SANITIZE_FULL:-0} DIAG=${DIAG:-0} TESTS=${TESTS:-1} BENCH=${BENCH:-1} SERVER=${SERVER:-0} PEER=${PEER:-0}
 NCU=${NCU:-0} ENGINE=${ENGINE:-0} MOE=${MOE:-0}
-GEMV=${GEMV:-0} EXECUTOR=${EXECUTOR:-0} CLUSTER=${CLUSTER:-0}
+GEMV=${GEMV:-0} EXECUTOR=${EXECUTOR:-0} CLUSTER=${CLUSTER:-0} LOCKSTEP=${LOCKSTEP:-0}
 mkdir -p "$OUT"
 # The bench measures the peer itself at every batch unless told --no-peer (minutes more): with
 # PEER=1 as well the peer runs twice, and a device call's limit can cut the stages after it.
@@ -61,7 +63,7 @@ export NORTHMK_LIB=$PWD/build/gpu/libnorthmk.so
 echo "build rc=$build_rc in $(( $(date +%s) - t0 ))s"
 [ $build_rc -eq 0 ] || { tail -40 "$OUT/build.log"; exit 1; }
 
-san_rc=- diag_rc=- tests_rc=- bench_rc=- server_rc=- peer_rc=- gemv_rc=- executor_rc=- cluster_rc=- ncu_rc=- engine_rc=- moe_rc=-
+san_rc=- diag_rc=- tests_rc=- bench_rc=- server_rc=- peer_rc=- gemv_rc=- executor_rc=- cluster_rc=- lockstep_rc=- ncu_rc=- engine_rc=- moe_rc=-
 # run_tool NAME TARGET LIMIT [ARGS...]: builds a tool's target and runs it for at most LIMIT
 # seconds, both into $OUT/NAME.log; returns its status.
 run_tool() {
@@ -87,6 +89,12 @@ if [ "$CLUSTER" = 1 ]; then
   run_tool cluster northmk_cluster_probe "${CLUSTER_TIMEOUT:-120}" ${CLUSTER_ARGS:-}
   cluster_rc=$?
   echo "cluster probe rc=$cluster_rc in $(( $(date +%s) - t0 ))s"
+fi
+if [ "$LOCKSTEP" = 1 ]; then
+  t0=$(date +%s)
+  run_tool lockstep northmk_lockstep_probe "${LOCKSTEP_TIMEOUT:-120}" ${LOCKSTEP_ARGS:-}
+  lockstep_rc=$?
+  echo "lockstep probe rc=$lockstep_rc in $(( $(date +%s) - t0 ))s"
 fi
 if [ "$SANITIZE" = 1 ]; then
   # racecheck on the bulk-copy handshakes alone (tools/racecheck_bulk_probe.cu): what the tool
@@ -190,10 +198,11 @@ if tar -czf "$packed" -C "$OUT" --exclude='./0*' . && chmod 644 "$packed" && mv 
 else
   echo "could not pack $OUT/0run.tgz"
 fi
-echo "== summary: build $build_rc, gemv $gemv_rc, executor $executor_rc, cluster $cluster_rc, sanitize [$san_rc], diag $diag_rc, tests $tests_rc, server $server_rc, bench $bench_rc, peer $peer_rc, ncu $ncu_rc, engine $engine_rc, moe $moe_rc"
+echo "== summary: build $build_rc, gemv $gemv_rc, executor $executor_rc, cluster $cluster_rc, lockstep $lockstep_rc, sanitize [$san_rc], diag $diag_rc, tests $tests_rc, server $server_rc, bench $bench_rc, peer $peer_rc, ncu $ncu_rc, engine $engine_rc, moe $moe_rc"
 [ "$GEMV" = 1 ] && tail -30 "$OUT/gemv.log"
 [ "$EXECUTOR" = 1 ] && grep -vE "registers|spill|ptxas|Compiling|^\[" "$OUT/executor.log" | tail -30
 [ "$CLUSTER" = 1 ] && grep -E "SMs|occupancy|round trip|error|usage" "$OUT/cluster.log"
+[ "$LOCKSTEP" = 1 ] && grep -E "SMs|round|error|usage" "$OUT/lockstep.log"
 [ "$DIAG" = 1 ] && grep -E "^ +(0|1|2|3|4|48|49) |^row|first divergence|routing errors" "$OUT/diag.log" | head -40
 [ "$TESTS" = 1 ] && grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -3
 [ "$BENCH" = 1 ] && grep -E "^batch|copy bandwidth|span" "$OUT/bench.log"
