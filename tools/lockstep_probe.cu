@@ -13,6 +13,10 @@
 //   rotate    each CTA's warps take their bursts starting at a CTA-dependent burst
 //   stagger   CTA i released (i % 8) * --stagger-ns later
 //   hotin     lock, and every CTA also reads the same 64 KB "input" (o-proj's input image)
+//   inter     lock, the warps' bursts side by side: each round of bursts reads 64 KB of the tile
+//             contiguously (one stream a CTA, not eight)
+//   contig    lock, each warp's bursts one contiguous piece of the tile (eight streams a CTA)
+// (QKV's tiles read as inter already: a warp's piece of each band is one burst.)
 // Every region is read once: each repetition takes a fresh part of a buffer many times the L2.
 //   northmk_lockstep_probe [--ctas N] [--reps R] [--stagger-ns NS]
 #include <cuda_runtime.h>
@@ -45,6 +49,7 @@ struct Args {
     size_t tile_stride;    // bytes from one CTA's tile to the next
     Shape shape;
     int rotate;            // warps start at burst (cta + warp) % bursts
+    int order;             // 0: the shape's pieces; 1: inter; 2: contig
     uint64_t *release;     // [0]: the instant CTAs go (CTA 0 sets it)
     uint32_t stagger_ns;   // CTA i goes (i % 8) * stagger_ns after it
     const char *hot;       // every CTA also reads these 64 KB first, or null
@@ -80,7 +85,9 @@ __global__ void __launch_bounds__(kThreads, 1) probe(Args a) {
 #pragma unroll 1
     for (int j = 0; j < bursts; j++) {
         const int b = (first + j) % bursts;
-        const char *p = tile + (b / per_band) * a.shape.band_bytes + warp * piece + (b % per_band) * kBurstBytes;
+        const char *p = a.order == 1   ? tile + (b * kWarps + warp) * kBurstBytes
+                        : a.order == 2 ? tile + (warp * bursts + b) * kBurstBytes
+                                       : tile + (b / per_band) * a.shape.band_bytes + warp * piece + (b % per_band) * kBurstBytes;
         const nmk::mk::bf16 *lo = reinterpret_cast<const nmk::mk::bf16 *>(p) + 8 * lane;
         uint4 wl[kBurst], wh[kBurst];
 #pragma unroll
@@ -133,9 +140,10 @@ int main(int argc, char **argv) {
     struct Mode {
         const char *name;
         size_t pad;
-        int rotate, stagger, hot;
-    } modes[] = {{"lock", 0, 0, 0, 0}, {"pad", 1024, 0, 0, 0}, {"rotate", 0, 1, 0, 0},
-                 {"stagger", 0, 0, 1, 0}, {"hotin", 0, 0, 0, 1}};
+        int rotate, stagger, hot, order;
+    } modes[] = {{"lock", 0, 0, 0, 0, 0},    {"pad", 1024, 0, 0, 0, 0}, {"rotate", 0, 1, 0, 0, 0},
+                 {"stagger", 0, 0, 1, 0, 0}, {"hotin", 0, 0, 0, 1, 0}, {"inter", 0, 0, 0, 0, 1},
+                 {"contig", 0, 0, 0, 0, 2}};
     printf("%s: %d SMs, %d CTAs, %d repetitions each, stagger %u ns\n", prop.name, prop.multiProcessorCount, ctas, reps,
            stagger_ns);
     size_t cursor = 0;
@@ -148,7 +156,7 @@ int main(int argc, char **argv) {
                 for (int r = 0; r < reps; r++) {
                     const size_t stride = tile + m.pad, need = stride * ctas;
                     if (cursor + need > buf_bytes) cursor = 0;
-                    Args a{buf + cursor, stride, s, m.rotate, release, m.stagger ? stagger_ns : 0u,
+                    Args a{buf + cursor, stride, s, m.rotate, m.order, release, m.stagger ? stagger_ns : 0u,
                            m.hot ? hot : nullptr, times, sink};
                     cursor += (need + 4095) / 4096 * 4096;
                     CHECK(cudaMemset(release, 0, sizeof(uint64_t)));
