@@ -728,18 +728,30 @@ def switches(args) -> str:
     return f"{args.times}\n" + switches_report(opcode_switches(load_times(args.times), args.min_us))
 
 
+def layer_range(text: str | None) -> tuple[int, int] | None:
+    """--layers FIRST:LAST as a pair, or None."""
+    if not text:
+        return None
+    try:
+        first, last = (int(v) for v in text.split(":"))
+    except ValueError:
+        raise ValueError(f"--layers {text!r}: want FIRST:LAST (2:46)") from None
+    return first, last
+
+
 def ops(args) -> str:
     """The report of `ops` (northmk.bench_critical.opcode_means of each file)."""
     from .bench_critical import means_report, opcode_means
 
-    layers = None
-    if args.layers:
-        try:
-            first, last = (int(v) for v in args.layers.split(":"))
-        except ValueError:
-            raise ValueError(f"--layers {args.layers!r}: want FIRST:LAST (2:46)") from None
-        layers = (first, last)
+    layers = layer_range(args.layers)
     return means_report([(path, opcode_means(load_times(path), layers)) for path in args.times])
+
+
+def phases(args) -> str:
+    """The report of `phases` (northmk.bench_critical.opcode_phases)."""
+    from .bench_critical import opcode_phases, phases_report
+
+    return f"{args.times}\n" + phases_report(opcode_phases(load_times(args.times), layer_range(args.layers)))
 
 
 # ---- command line -----------------------------------------------------------------------
@@ -843,6 +855,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     o.add_argument("times", nargs="+", help="task-times-b{B}-c{C}.npy from decode runs (an A/B's variants; .npy.xz too)")
     o.add_argument("--layers", metavar="FIRST:LAST",
                    help="the layers whose tasks to average (default: all but the first two and the last two)")
+    h = sub.add_parser("phases", help="per layer and opcode, when its tasks started, over how long, their median "
+                                      "run and the phase's end")
+    h.add_argument("times", help="task-times-b{B}-c{C}.npy from a decode run (or .npy.xz: the same, xz-compressed)")
+    h.add_argument("--layers", metavar="FIRST:LAST", help="the layers to list (default: all)")
     args = parser.parse_args(argv)
     problem = check_decode(args) if args.what == "decode" else None
     if problem:
@@ -895,6 +911,8 @@ def main(argv: list[str] | None = None) -> int:
             print(switches(args))
         elif args.what == "ops":
             print(ops(args))
+        elif args.what == "phases":
+            print(phases(args))
         elif args.what == "record":
             record(load_result(Path(args.result)), Path(args.result), Path(args.notes))
         else:

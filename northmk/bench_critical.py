@@ -330,6 +330,51 @@ def sm_budget(times: np.ndarray, first: int, last: int) -> dict | None:
             "between_us": float(between / n_layers)}
 
 
+def opcode_phases(times: np.ndarray, layers: tuple[int, int] | None = None) -> list[dict]:
+    """Per layer in [first, last] (default: every layer with QKV tasks) and opcode of LAYER_OPS,
+    then the LM head (layer None), a row: its tasks, the first one's start (us from the step's
+    first stamp), over how long they all started (spread), their median run and the last one's
+    end: a phase whose tasks start on every SM at once against one whose tasks start apart
+    (benchmarks/NOTES.md, session 48). A start is a task's start stamp: after its wait, or before
+    it where the task waits inside its run."""
+    times = np.asarray(times, dtype=np.int64)
+    if times.ndim != 2 or times.shape[1] != 4 or len(times) == 0:
+        raise ValueError(f"times must be [N, 4] with N > 0; got {times.shape}")
+    op, layer = times[:, 3] & 0xFF, (times[:, 3] >> 8) & 0xFF
+    if layers is None:
+        in_layers = layer[op == Opcode.QKV]
+        if len(in_layers) == 0:
+            raise ValueError("the step has no QKV task: give the layers")
+        layers = (int(in_layers.min()), int(in_layers.max()))
+    first, last = layers
+    if first > last:
+        raise ValueError(f"no layers in {first}:{last}")
+    t0 = times[:, 0].min()
+
+    def row(l: int | None, name: str, mine: np.ndarray) -> dict:
+        start, end = (times[mine, 1] - t0) / 1e3, (times[mine, 2] - t0) / 1e3
+        return {"layer": l, "op": name, "tasks": int(mine.sum()), "first_start_us": float(start.min()),
+                "spread_us": float(start.max() - start.min()), "run_us": float(np.median(end - start)),
+                "last_end_us": float(end.max())}
+
+    rows = [row(l, name, (op == Opcode[name]) & (layer == l)) for l in range(first, last + 1) for name in LAYER_OPS
+            if ((op == Opcode[name]) & (layer == l)).any()]
+    if (op == Opcode.LM_HEAD).any():
+        rows.append(row(None, "LM_HEAD", op == Opcode.LM_HEAD))
+    return rows
+
+
+def phases_report(rows: list[dict]) -> str:
+    """opcode_phases as a table, a line a (layer, opcode)."""
+    out = ["us from the step's first stamp: a phase's first start, the spread of its starts, its tasks' median run, "
+           "its last end", f"{'layer':>5}  {'op':<8}  {'tasks':>5}  {'start':>8}  {'spread':>6}  {'run':>6}  {'end':>8}"]
+    for r in rows:
+        layer = "-" if r["layer"] is None else r["layer"]
+        out.append(f"{layer:>5}  {r['op']:<8}  {r['tasks']:>5}  {r['first_start_us']:8.1f}  {r['spread_us']:6.1f}"
+                   f"  {r['run_us']:6.2f}  {r['last_end_us']:8.1f}")
+    return "\n".join(out)
+
+
 def means_report(named: list[tuple[str, dict]]) -> str:
     """opcode_means of several steps as one table: a row a step (its name, span, layers), per
     opcode its mean run / mean wait in us."""

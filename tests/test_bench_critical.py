@@ -15,7 +15,7 @@ import pytest
 
 from northmk import bench
 from northmk.bench_critical import (HOP, START, TURN, check_times, context_bucket, counter_done, counter_hops,
-                                    critical_path, critical_path_of_run, hops_report, opcode_means, opcode_switches,
+                                    critical_path, critical_path_of_run, hops_report, opcode_means, opcode_phases, opcode_switches,
                                     report, summarize, switches_report)
 from northmk.bench_simulate import replay_runs, simulate
 from northmk.megakernel import TASK_DTYPE, Opcode, Schedule
@@ -352,6 +352,43 @@ def test_opcode_means_average_the_middle_layers_tasks_and_put_steps_side_by_side
     assert capsys.readouterr().out.splitlines()[2].split()[1:] == ["512.0", "0-1", "1.00/0.00", "2.50/0.50"]
     assert bench.main(["ops", str(a), "--layers", "2"]) == 2
     assert capsys.readouterr().err.strip() == "python -m northmk.bench ops: error: --layers '2': want FIRST:LAST (2:46)"
+
+
+def test_opcode_phases_give_each_layers_phase_its_start_spread_run_and_end(tmp_path, capsys):
+    # Layer 0: three QKV tasks started together (1000 ns after the step's first stamp, each
+    # waiting 500 ns before it) running 4, 6, 5 us; layer 1: two o-proj tasks started 3 us apart
+    # running 2 and 4 us; then two LM head tasks (layer field 0).
+    rows = [record(Opcode.QKV, sm, 500, 1_000, 1_000 + run, 0) for sm, run in enumerate((4_000, 6_000, 5_000))]
+    rows += [record(Opcode.QKV, 0, 9_000, 9_000, 10_000, 1),
+             record(Opcode.OPROJ, 1, 20_000, 20_000, 22_000, 1), record(Opcode.OPROJ, 2, 20_000, 23_000, 27_000, 1),
+             record(Opcode.LM_HEAD, 0, 28_000, 28_000, 38_000), record(Opcode.LM_HEAD, 1, 28_000, 28_500, 40_500)]
+    times = np.array(rows, dtype=np.int64)
+    times[:, 3] |= 0x55 << 36  # marks above the SM field are not part of the record's fields
+    got = opcode_phases(times)
+    assert [(r["layer"], r["op"], r["tasks"]) for r in got] == [(0, "QKV", 3), (1, "QKV", 1), (1, "OPROJ", 2),
+                                                                 (None, "LM_HEAD", 2)]
+    assert got[0] == {"layer": 0, "op": "QKV", "tasks": 3, "first_start_us": pytest.approx(0.5),
+                      "spread_us": pytest.approx(0.0), "run_us": pytest.approx(5.0), "last_end_us": pytest.approx(6.5)}
+    assert got[2]["first_start_us"] == pytest.approx(19.5) and got[2]["spread_us"] == pytest.approx(3.0)
+    assert got[2]["run_us"] == pytest.approx(3.0) and got[2]["last_end_us"] == pytest.approx(26.5)
+    assert got[3]["run_us"] == pytest.approx(11.0) and got[3]["last_end_us"] == pytest.approx(40.0)
+    assert [r["op"] for r in opcode_phases(times, (1, 1))] == ["QKV", "OPROJ", "LM_HEAD"]
+    with pytest.raises(ValueError, match="no layers in 2:1"):
+        opcode_phases(times, (2, 1))
+    with pytest.raises(ValueError, match="no QKV task"):
+        opcode_phases(times[times[:, 3] & 0xFF == Opcode.OPROJ])
+    with pytest.raises(ValueError, match=r"\[N, 4\]"):
+        opcode_phases(times[:, :3])
+    path = tmp_path / "t.npy"
+    np.save(path, times)
+    assert bench.main(["phases", str(path), "--layers", "1:1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == str(path) and out[2].split() == ["layer", "op", "tasks", "start", "spread", "run", "end"]
+    assert [line.split() for line in out[3:]] == [["1", "QKV", "1", "8.5", "0.0", "1.00", "9.5"],
+                                                 ["1", "OPROJ", "2", "19.5", "3.0", "3.00", "26.5"],
+                                                 ["-", "LM_HEAD", "2", "27.5", "0.5", "11.00", "40.0"]]
+    assert bench.main(["phases", str(path), "--layers", "1"]) == 2
+    assert capsys.readouterr().err.strip() == "python -m northmk.bench phases: error: --layers '1': want FIRST:LAST (2:46)"
 
 
 # ---- the timed replay ----------------------------------------------------------------------
