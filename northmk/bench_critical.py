@@ -277,6 +277,25 @@ def switches_report(switches: dict[str, dict]) -> str:
 LAYER_OPS = ("NORM", "QKV", "ROUTER", "ATTN", "OPROJ", "GATE_UP", "DOWN")
 
 
+def step_layers(times: np.ndarray, layers: tuple[int, int] | None, trim: int = 0
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
+    """A profiled step's records as int64 [N, 4] (N > 0), their opcodes and layers, and the layers
+    [first, last] to read: `layers`, or those with QKV tasks less `trim` at each end."""
+    times = np.asarray(times, dtype=np.int64)
+    if times.ndim != 2 or times.shape[1] != 4 or len(times) == 0:
+        raise ValueError(f"times must be [N, 4] with N > 0; got {times.shape}")
+    op, layer = times[:, 3] & 0xFF, (times[:, 3] >> 8) & 0xFF
+    if layers is None:
+        in_layers = layer[op == Opcode.QKV]
+        if len(in_layers) == 0:
+            raise ValueError("the step has no QKV task: give the layers")
+        layers = (int(in_layers.min()) + trim, int(in_layers.max()) - trim)
+    first, last = layers
+    if first > last:
+        raise ValueError(f"no layers in {first}:{last}")
+    return times, op, layer, first, last
+
+
 def opcode_means(times: np.ndarray, layers: tuple[int, int] | None = None) -> dict:
     """A profiled step's span (us, the first wait to the last end) and, per opcode of LAYER_OPS,
     its tasks in layers [first, last] (default: of the layers with QKV tasks, all but the first
@@ -286,18 +305,7 @@ def opcode_means(times: np.ndarray, layers: tuple[int, int] | None = None) -> di
     bits (a build's diagnostic marks) are ignored. Without the schedule, a task that waits inside
     its run (Schedule.waits_in_run: QKV and ROUTER up to two rows, a sparse layer's GATE_UP)
     counts that wait in its run."""
-    times = np.asarray(times, dtype=np.int64)
-    if times.ndim != 2 or times.shape[1] != 4 or len(times) == 0:
-        raise ValueError(f"times must be [N, 4] with N > 0; got {times.shape}")
-    op, layer = times[:, 3] & 0xFF, (times[:, 3] >> 8) & 0xFF
-    in_layers = layer[op == Opcode.QKV]
-    if layers is None:
-        if len(in_layers) == 0:
-            raise ValueError("the step has no QKV task: give the layers")
-        layers = (int(in_layers.min()) + 2, int(in_layers.max()) - 2)
-    first, last = layers
-    if first > last:
-        raise ValueError(f"no layers in {first}:{last}")
+    times, op, layer, first, last = step_layers(times, layers, trim=2)
     run_us, wait_us = (times[:, 2] - times[:, 1]) / 1e3, (times[:, 1] - times[:, 0]) / 1e3
     n_layers = last - first + 1
     ops = {}
@@ -337,18 +345,7 @@ def opcode_phases(times: np.ndarray, layers: tuple[int, int] | None = None) -> l
     end: a phase whose tasks start on every SM at once against one whose tasks start apart
     (benchmarks/NOTES.md, session 48). A start is a task's start stamp: after its wait, or before
     it where the task waits inside its run."""
-    times = np.asarray(times, dtype=np.int64)
-    if times.ndim != 2 or times.shape[1] != 4 or len(times) == 0:
-        raise ValueError(f"times must be [N, 4] with N > 0; got {times.shape}")
-    op, layer = times[:, 3] & 0xFF, (times[:, 3] >> 8) & 0xFF
-    if layers is None:
-        in_layers = layer[op == Opcode.QKV]
-        if len(in_layers) == 0:
-            raise ValueError("the step has no QKV task: give the layers")
-        layers = (int(in_layers.min()), int(in_layers.max()))
-    first, last = layers
-    if first > last:
-        raise ValueError(f"no layers in {first}:{last}")
+    times, op, layer, first, last = step_layers(times, layers)
     t0 = times[:, 0].min()
 
     def row(l: int | None, name: str, mine: np.ndarray) -> dict:
@@ -366,8 +363,8 @@ def opcode_phases(times: np.ndarray, layers: tuple[int, int] | None = None) -> l
 
 def phases_report(rows: list[dict]) -> str:
     """opcode_phases as a table, a line a (layer, opcode)."""
-    out = ["us from the step's first stamp: a phase's first start, the spread of its starts, its tasks' median run, "
-           "its last end", f"{'layer':>5}  {'op':<8}  {'tasks':>5}  {'start':>8}  {'spread':>6}  {'run':>6}  {'end':>8}"]
+    out = ["us from the step's first stamp: a phase's first start, the spread of its starts, its tasks' median "
+           "run, its last end", f"{'layer':>5}  {'op':<8}  {'tasks':>5}  {'start':>8}  {'spread':>6}  {'run':>6}  {'end':>8}"]
     for r in rows:
         layer = "-" if r["layer"] is None else r["layer"]
         out.append(f"{layer:>5}  {r['op']:<8}  {r['tasks']:>5}  {r['first_start_us']:8.1f}  {r['spread_us']:6.1f}"

@@ -15,8 +15,8 @@ import pytest
 
 from northmk import bench
 from northmk.bench_critical import (HOP, START, TURN, check_times, context_bucket, counter_done, counter_hops,
-                                    critical_path, critical_path_of_run, hops_report, opcode_means, opcode_phases, opcode_switches,
-                                    report, summarize, switches_report)
+                                    critical_path, critical_path_of_run, hops_report, opcode_means, opcode_phases,
+                                    opcode_switches, report, summarize, switches_report)
 from northmk.bench_simulate import replay_runs, simulate
 from northmk.megakernel import TASK_DTYPE, Opcode, Schedule
 from northmk.megakernel_interpreter import execution_order

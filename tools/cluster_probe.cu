@@ -25,11 +25,9 @@ namespace {
 
 using nmk::mk::global_ns;
 using nmk::mk::load_acquire;
+using nmk::mk::st_release;
 constexpr int kThreads = nmk::mk::kThreads;
 
-__device__ __forceinline__ void st_release_gpu(uint32_t *p, uint32_t v) {
-    asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
 // Shared memory of a CTA of the cluster (shared::cluster addresses, from mapa).
 __device__ __forceinline__ uint32_t ld_acquire_cluster(uint32_t addr) {
     uint32_t v;
@@ -89,11 +87,11 @@ __global__ void __launch_bounds__(kThreads, 1) probe(Args a) {
                     }
                 } else {
                     if (me == 0) {
-                        st_release_gpu(a.flags, i);
+                        st_release(a.flags, i);
                         while (load_acquire(a.flags + 1) != (uint32_t)i) {}
                     } else {
                         while (load_acquire(a.flags) != (uint32_t)i) {}
-                        st_release_gpu(a.flags + 1, i);
+                        st_release(a.flags + 1, i);
                     }
                 }
             }
