@@ -2,9 +2,11 @@
 // (one or two row segments of a matrix, each a multiple of 16 rows) and a K range [k0, k1)
 // (multiples of 64), for the n < 8 batch rows; bf16 in, fp32 accumulate.
 //
-// The ring is a template, TmaRingT<Slots, SlotBytes, BoxRows>; TmaRing (4 x 32 KB, 16-row boxes)
-// is the one the engine uses, the others are for the GEMV benchmark. Every function below takes
-// its parameters from the ring's type.
+// Only tools/gemv_bench.cu runs it (its tma+wgmma paths): the megakernel streams its weights through
+// common.cuh's register GEMV, which measured faster in the kernel (benchmarks/NOTES.md, sessions 3,
+// 16 and 28). The ring is a template, TmaRingT<Slots, SlotBytes, BoxRows>; TmaRing (4 x 32 KB, 16-row
+// boxes) is the bench's first TMA path, the others its variants. Every function below takes its
+// parameters from the ring's type.
 //
 // Data path. The TMA unit streams the weights into a ring of Slots slots of SlotBytes in shared
 // memory, in boxes of 64 columns (128 bytes, 128-byte swizzle) by 16 rows; with BoxRows > 16 a
@@ -60,7 +62,7 @@
 
 namespace nmk::mk {
 
-// The engine's ring: 4 stages of 32 KB, 96-128 KB in flight per SM (>= 64 KB covers ~33 GB/s per
+// The bench's first ring: 4 stages of 32 KB, 96-128 KB in flight per SM (>= 64 KB covers ~33 GB/s per
 // SM over 1.5-2 us of loaded DRAM latency), one k block of the widest tile per stage, and few
 // enough stages that a small tile (16 x 2048: 2 stages) is issued whole by gemv_begin.
 constexpr int kRingStages = 4;
@@ -170,7 +172,7 @@ __device__ __forceinline__ void issue_stage(TmaRingT<S, B, BR> &ring, const Gemv
     using Ring = TmaRingT<S, B, BR>;
     const uint32_t c = ring.fill, slot = c % S;
     cutlass::arch::ClusterBarrier::wait(&ring.empty[slot], ((c / S) & 1) ^ 1);
-    // (the engine's 32 KB slots never chunk: kMayChunk keeps the division out of its code)
+    // (TmaRing's 32 KB slots never chunk: kMayChunk keeps the division out of its code)
     const int kb0 = (sh.kMayChunk ? s / sh.chunks : s) * sh.kb_per_stage;
     const int nkb = min(sh.kb_per_stage, sh.kblocks - kb0);
     const int ra = sh.kMayChunk ? s % sh.chunks * Ring::kSlotRows : 0;
