@@ -29,6 +29,7 @@ ACTIVE = "sm__cycles_active.avg"
 def read_series(path: Path) -> dict[str, np.ndarray]:
     """Every metric of the file's first kernel that has one value per sample, by name (the part
     after ncu's section prefix, e.g. 'dramc__read_throughput.avg.pct_of_peak_sustained_elapsed')."""
+    csv.field_size_limit(sys.maxsize)  # a series of thousands of samples is one field
     rows = list(csv.reader(path.open(newline="")))
     if len(rows) < 3:
         raise ValueError(f"{path}: want a header, a units row and a kernel's row (ncu --page raw --csv)")
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         series = read_series(args.csv)
         name, values = pick(series, args.metric)
         print(report(values[active_window(series)], name, args.dip, args.step_us))
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, csv.Error) as e:
         print(f"tools/pm_timeline.py: error: {e}", file=sys.stderr)
         return 2
     return 0
