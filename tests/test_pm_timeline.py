@@ -44,8 +44,8 @@ def test_the_layers_fold_at_their_boundary_dips(tmp_path):
     write_raw(tmp_path / "raw.csv", dram, active)
     series = pm.read_series(tmp_path / "raw.csv")
     assert set(series) == {"dramc__read_throughput.avg.pct_of_peak_sustained_elapsed", "sm__cycles_active.avg"}
-    window = pm.active_window(series)
-    values = series["dramc__read_throughput.avg.pct_of_peak_sustained_elapsed"][window]
+    values = series["dramc__read_throughput.avg.pct_of_peak_sustained_elapsed"]
+    values = values[pm.active_window(series, values)]
     assert len(values) == 3 + PERIOD * LAYERS + 3 + HEAD
     at = pm.dips(values, 10.0)
     assert at == [3 + PERIOD * k for k in range(LAYERS + 1)]
@@ -55,7 +55,22 @@ def test_the_layers_fold_at_their_boundary_dips(tmp_path):
     text = pm.report(values, "dram", 10.0, step_us=2.0 * len(values))
     assert "layer period 10 samples (20.0 us)" in text
     assert "after the last dip (the LM head) 95.0" in text
-    assert "     0 (   0.0)    1.0" in text
+    assert "     0 (   0.0)   1.00" in text
+
+
+def test_a_bytes_series_without_the_active_cycles_is_its_own_window_and_prints_as_tbps(tmp_path):
+    dram, _ = step_series()
+    per_sample = dram * 1e5  # bytes a sample: the peak 95 -> 9.5 MB, 4.75 TB/s at 2 us a sample
+    path = tmp_path / "raw.csv"
+    path.write_text('"ID","pmsampling:dram__bytes_read.sum"\n"","byte"\n'
+                    f'"0","{per_sample.sum():,.0f} {cell(per_sample)}"\n')
+    series = pm.read_series(path)
+    assert list(series) == ["pmsampling:dram__bytes_read.sum"]
+    values = series["pmsampling:dram__bytes_read.sum"]
+    values = values[pm.active_window(series, values)]
+    assert len(values) == 3 + PERIOD * LAYERS + 3 + HEAD
+    text = pm.report(values, "pmsampling:dram__bytes_read.sum", 0.1 * values.max(), step_us=2.0 * len(values))
+    assert "(TB/s)" in text and "after the last dip (the LM head) 4.75" in text
 
 
 def test_unsampled_input_and_unknown_metrics_are_refused(tmp_path):
