@@ -28,9 +28,12 @@
 #               the step's DRAM bytes read and written, the L2 sectors the SMs read and its hit rate
 #               (NCU_METRICS), by application replay (a kernel replay would save the weights' memory);
 #               with NCU_SECTIONS (e.g. PmSampling) those sections instead of the metrics, NCU_EXTRA
-#               more ncu options (e.g. --pm-sampling-interval 1000), the report kept as
-#               $OUT/ncu-report.ncu-rep and its raw page with every metric's instances (PM sampling's
-#               time series) as $OUT/ncu-raw.csv
+#               more ncu options (e.g. --pm-sampling-interval 1000); with those sections or a
+#               pmsampling: metric (NCU_METRICS=pmsampling:dram__bytes_read.sum) the report is kept
+#               as $OUT/ncu-report.ncu-rep and its raw page with every metric's instances (PM
+#               sampling's time series, in base units) as $OUT/ncu-raw.csv (tools/pm_timeline.py).
+#               NCU_SKIP: the megakernel launches skipped (2: the bench's second timed step; 5: its
+#               profiled step, so that ncu-bench/task-times-*.npy is the same launch)
 #   tools/gpu_run.sh [pytest -k expr] [bench args...]
 # Pass NORTHMK_COMMIT=$(git rev-parse --short HEAD)[-dirty] from the host: the device copy has no git.
 # The wheels the image lacks come from tools/fetch_wheels.sh (carry .whl).
@@ -185,19 +188,22 @@ if [ "$NCU" = 1 ]; then
   # The bench launches the megakernel for its warm-up step, then its timed ones: skip to the second.
   t0=$(date +%s)
   metrics=${NCU_METRICS:-gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sectors_srcunit_tex_op_read.sum,lts__t_sector_hit_rate.pct}
-  what=(--metrics "$metrics")
+  what=(--metrics "$metrics") keep=0
   if [ -n "${NCU_SECTIONS:-}" ]; then
-    what=(-o "$OUT/ncu-report")
+    what=() keep=1
     for s in $NCU_SECTIONS; do what+=(--section "$s"); done
   fi
+  [[ "$metrics" == *pmsampling:* ]] && keep=1
+  [ "$keep" = 1 ] && what+=(-o "$OUT/ncu-report")
   # shellcheck disable=SC2086 # NCU_EXTRA: options, split on spaces
   timeout ${NCU_TIMEOUT:-240} ncu --clock-control none --replay-mode application --kernel-name regex:megakernel \
-    --launch-skip 2 --launch-count 1 "${what[@]}" ${NCU_EXTRA:-} \
+    --launch-skip ${NCU_SKIP:-2} --launch-count 1 "${what[@]}" ${NCU_EXTRA:-} \
     python3 -m northmk.bench decode --out "$OUT/ncu-bench" --batch ${NCU_BATCH:-1} --steps 4 --warmup 1 --no-peer \
     >"$OUT/ncu.log" 2>&1
   ncu_rc=$?
-  if [ -n "${NCU_SECTIONS:-}" ] && [ -f "$OUT/ncu-report.ncu-rep" ]; then
-    ncu -i "$OUT/ncu-report.ncu-rep" --page raw --csv --print-metric-instances values >"$OUT/ncu-raw.csv" 2>>"$OUT/ncu.log"
+  if [ "$keep" = 1 ] && [ -f "$OUT/ncu-report.ncu-rep" ]; then
+    ncu -i "$OUT/ncu-report.ncu-rep" --page raw --csv --print-units base --print-metric-instances values \
+      >"$OUT/ncu-raw.csv" 2>>"$OUT/ncu.log"
     ncu -i "$OUT/ncu-report.ncu-rep" --page details --print-details all >>"$OUT/ncu.log" 2>&1
   fi
   echo "ncu rc=$ncu_rc in $(( $(date +%s) - t0 ))s"
