@@ -16,8 +16,8 @@ PERIOD, LAYERS, HEAD = 10, 8, 30
 
 
 def step_series() -> tuple[np.ndarray, np.ndarray]:
-    """A step of LAYERS layers (a dip to 1 at each boundary, 40 beside it, 90 elsewhere), then an
-    LM head at 95; idle samples before and after the kernel."""
+    """A step of LAYERS layers (each dips once to 1, with 40 beside the dip and 90 elsewhere),
+    then an LM head at 95; idle samples before and after the kernel."""
     layer = np.full(PERIOD, 90.0)
     layer[0], layer[1], layer[-1] = 1.0, 40.0, 40.0
     kernel = np.concatenate([[90.0, 90.0, 40.0], np.tile(layer, LAYERS), [1.0, 40.0, 95.0], np.full(HEAD, 95.0)])
@@ -39,7 +39,7 @@ def write_raw(path: Path, dram: np.ndarray, active: np.ndarray) -> None:
     path.write_text("\n".join(",".join(r) for r in (names, units, values)) + "\n")
 
 
-def test_the_layers_fold_at_their_boundary_dips(tmp_path):
+def test_the_layers_fold_at_their_dips(tmp_path):
     dram, active = step_series()
     write_raw(tmp_path / "raw.csv", dram, active)
     series = pm.read_series(tmp_path / "raw.csv")

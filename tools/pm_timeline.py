@@ -8,10 +8,10 @@ NCU_RAW.csv is ncu's raw page with every metric's instances (`--page raw --csv
 with `--metrics pmsampling:dram__bytes_read.sum` writes it (export that one with `--print-units
 base`: in its display unit a sample rounds to 10 MB). Each PM-sampled metric is one value per
 sample; the kernel's samples are those where the SMs had active cycles (or, without that series,
-from the metric's first to its last sample above 1% of its peak). Every layer of a batch-1 step dips once to
-near zero (below --dip times the series' peak): with the same launch's task times beside it
-(the bench's profiled step, ncu's --launch-skip 5 with --warmup 1 --steps 4), between the last
-bytes of the layer's QKV tiles and the first of its GATE_UP tiles, while the routing is
+from the metric's first to its last sample above 1% of its peak). Every layer of a batch-1 step
+dips once to near zero (below --dip times the series' peak): with the same launch's task times
+beside it (the bench's profiled step, ncu's --launch-skip 5 with --warmup 1 --steps 4), between
+the last bytes of the layer's QKV tiles and the first of its GATE_UP tiles, while the routing is
 computed (benchmarks/NOTES.md, session 49). The samples from one dip to the next a layer on are
 folded, offset 0 at the dip, and the mean per offset printed; the samples after the last dip
 (the LM head) are averaged apart. With --step-us (the step's measured time) the offsets are in
@@ -67,7 +67,7 @@ def active_window(series: dict[str, np.ndarray], values: np.ndarray) -> slice:
     other work of the process leaves a trickle around the kernel)."""
     on = np.flatnonzero(series[ACTIVE] > 0) if ACTIVE in series else np.flatnonzero(values > 0.01 * values.max())
     if len(on) == 0:
-        raise ValueError("no sample with active SM cycles")
+        raise ValueError("no sample of the kernel (no active SM cycles, or the metric is all zero)")
     return slice(int(on[0]), int(on[-1]) + 1)
 
 
@@ -103,6 +103,8 @@ def report(values: np.ndarray, name: str, below: float, step_us: float | None = 
     at = dips(values, below)
     period, mean = fold(values, at)
     at = [a for a in at if a < len(values) - period]  # the kernel's own end is no dip of a layer
+    if not at:
+        raise ValueError("every dip lies in the kernel's last layer period")
     unit = f" ({us:.3f} us a sample)" if us else ""
     last = at[-1]
     lines = [f"{name}: {len(values)} samples in the kernel{unit}, mean {values.mean():.2f}",
