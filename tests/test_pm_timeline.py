@@ -58,7 +58,7 @@ def test_the_layers_fold_at_their_dips(tmp_path):
     assert "     0 (   0.0)   1.00" in text
 
 
-def test_a_bytes_series_without_the_active_cycles_is_its_own_window_and_prints_as_tbps(tmp_path):
+def test_a_bytes_series_without_the_active_cycles_is_its_own_window_and_prints_as_tbps(tmp_path, capsys):
     dram, _ = step_series()
     per_sample = dram * 1e5  # bytes a sample: the peak 95 -> 9.5 MB, 4.75 TB/s at 2 us a sample
     path = tmp_path / "raw.csv"
@@ -71,6 +71,17 @@ def test_a_bytes_series_without_the_active_cycles_is_its_own_window_and_prints_a
     assert len(values) == 3 + PERIOD * LAYERS + 3 + HEAD
     text = pm.report(values, "pmsampling:dram__bytes_read.sum", 0.1 * values.max(), step_us=2.0 * len(values))
     assert "(TB/s)" in text and "after the last dip (the LM head) 4.75" in text
+    # the command line picks the bytes series when the file has no PmSampling section
+    assert pm.main([str(path), "--step-us", str(2.0 * len(values))]) == 0
+    assert "pmsampling:dram__bytes_read.sum (TB/s)" in capsys.readouterr().out
+
+
+def test_bad_options_get_a_one_line_error(tmp_path, capsys):
+    for bad in (["--step-us", "0"], ["--step-us", "-5"], ["--dip", "0"], ["--dip", "1.5"]):
+        with pytest.raises(SystemExit) as e:
+            pm.main([str(tmp_path / "raw.csv"), *bad])
+        assert e.value.code == 2
+        assert capsys.readouterr().err.strip().endswith("error: want --step-us > 0 and --dip in (0, 1)")
 
 
 def test_unsampled_input_and_unknown_metrics_are_refused(tmp_path):

@@ -30,6 +30,7 @@ import numpy as np
 
 SERIES = re.compile(r"\(([-0-9.,; ]*)\)\s*$")
 ACTIVE = "sm__cycles_active.avg"
+BEFORE = 3  # samples shown ahead of each folded dip
 
 
 def read_series(path: Path) -> dict[str, np.ndarray]:
@@ -82,10 +83,10 @@ def dips(values: np.ndarray, below: float, merge: int = 3) -> list[int]:
     return out
 
 
-def fold(values: np.ndarray, at: list[int], before: int = 3) -> tuple[int, np.ndarray]:
+def fold(values: np.ndarray, at: list[int], before: int = BEFORE) -> tuple[int, np.ndarray]:
     """The layer period (the median spacing of the dips) and the mean of the segments that start
     `before` samples ahead of a dip and span a period, over the dips whose next one is a period on
-    (within one sample: a layer whose boundary dipped less is skipped, not folded across two)."""
+    (within one sample: a layer whose dip stayed above the threshold is skipped, not folded across two)."""
     if len(at) < 3:
         raise ValueError(f"{len(at)} dips: too few to fold (is --dip too low?)")
     period = int(np.median(np.diff(at)))
@@ -110,11 +111,11 @@ def report(values: np.ndarray, name: str, below: float, step_us: float | None = 
     lines = [f"{name}: {len(values)} samples in the kernel{unit}, mean {values.mean():.2f}",
              f"{len(at)} dips under {below:g}; layer period {period} samples"
              + (f" ({period * us:.1f} us)" if us else "")
-             + f"; mean over a folded layer {mean[3:].mean():.2f}, after the last dip (the LM head) "
-             f"{values[last + 3:].mean():.2f}",
+             + f"; mean over a folded layer {mean[BEFORE:].mean():.2f}, after the last dip (the LM head) "
+             f"{values[last + BEFORE:].mean():.2f}",
              "offset from the dip, samples" + (" (us)" if us else "") + ": mean"]
     for i, v in enumerate(mean):
-        off = i - 3
+        off = i - BEFORE
         when = f" ({off * us:6.1f})" if us else ""
         lines.append(f"  {off:4d}{when} {v:6.2f} {'#' * int(50 * v / max(mean.max(), 1e-30))}")
     return "\n".join(lines)
@@ -128,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dip", type=float, default=0.1, help="a layer's dip is under this fraction of the series' peak")
     ap.add_argument("--step-us", type=float, help="the step's time, to print offsets in us")
     args = ap.parse_args(argv)
+    if args.step_us is not None and args.step_us <= 0 or not 0 < args.dip < 1:
+        ap.error("want --step-us > 0 and --dip in (0, 1)")
     try:
         series = read_series(args.csv)
         metric = args.metric or ("dramc__read_throughput" if any("dramc__read_throughput" in n for n in series)
