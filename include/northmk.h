@@ -416,8 +416,8 @@ enum { NMK_MK_MAX_BATCH = 8, NMK_MK_MAX_SPLITS = 64, NMK_MK_BLOCK_COLS = 256, NM
  * a sparse GATE_UP computes it from x_l itself: x = bf16(x_l), rms_b = rsqrt(sum_i x[b, i]^2 /
  * hidden + eps), h[b, i] = bf16(round_bf16(x[b, i] * rms_b) * norm_weight[i]); up to
  * NMK_MK_POST_SCALED_MAX_BATCH rows QKV and ROUTER scale after their GEMV instead: output
- * bf16(rms_b * sum_i g[b, i] w[i]) with g[b, i] = bf16(x[b, i] * norm_weight[i]). The ROUTER
- * tiles write h (as above, both ways) for the layer's sparse GATE_UP tasks. (v0.5: one counter
+ * bf16(rms_b * sum_i g[b, i] w[i]) with g[b, i] = bf16(x[b, i] * norm_weight[i]). The routing
+ * tile (ROUTER) writes h (as above, both ways) for the layer's sparse GATE_UP tasks. (v0.5: one counter
  * for all of x_l, no post-scaling; v0.4: NORM tiles closed every layer's residual and
  * FINAL_NORM the last one's.) */
 typedef enum nmk_opcode {
@@ -426,11 +426,13 @@ typedef enum nmk_opcode {
     NMK_OP_QKV = 2,        /* rows [x*qkv_rows, ...) of qkv @ h; RoPE; k, v into the paged cache */
     NMK_OP_ROUTER = 3,     /* tile x: router_logits[b, e] = bf16(h_b . router[e]) (post-scaled up
                             * to NMK_MK_POST_SCALED_MAX_BATCH rows, above), e in
-                            * [x*router_rows, ...); h's 32-wide column blocks [x*blocks/tiles,
-                            * ...). The last tile to finish routes the layer: row b's top_k
-                            * logits (ties: lower id), ascending id, weight bf16(sigmoid(logit));
-                            * slot y = the y-th smallest distinct pick (-1 past them); it writes
-                            * slot_expert, slot_k, the picks' weights and the debug experts. */
+                            * [x*router_rows, ...). The last tile (x = router_tiles - 1, the
+                            * routing tile) waits for the other tiles' logits (a poll, no
+                            * counter: the schedule must order them before it), writes h whole
+                            * and routes the layer: row b's top_k logits (ties: lower id),
+                            * ascending id, weight bf16(sigmoid(logit)); slot y = the y-th
+                            * smallest distinct pick (-1 past them); it writes slot_expert and
+                            * the debug experts. */
     NMK_OP_ATTN = 4,       /* row x, kv head y, split z & 0xff of z >> 8: partial softmax(qk)v;
                             * the pair's last split to finish merges all of them into attn_out */
     NMK_OP_COMBINE = 5,    /* retired in v0.3, never emitted (ATTN merges); the checker rejects it */
@@ -438,7 +440,7 @@ typedef enum nmk_opcode {
                             * into x_{l+1} (x = bf16(x_l)); zeroes those rows of x_{l+2} */
     NMK_OP_GATE_UP = 7,    /* mlp slot y, intermediate cols [x*cols, ...): silu(gate) * up. On a
                             * sparse layer, of slot_expert[y] (nothing for -1) with the h the
-                            * ROUTER tiles wrote. */
+                            * routing tile wrote. */
     NMK_OP_DOWN = 8,       /* mlp slot y, hidden rows [x*rows, ...) of down @ act, times each row's
                             * routing weight of the slot (sparse layers), added into x_{l+1} */
     NMK_OP_FINAL_NORM = 9, /* retired in v0.5, never emitted (LM_HEAD normalizes x_L itself);

@@ -40,7 +40,7 @@ class Opcode(enum.IntEnum):
 
     NORM = 1  # layer 0, tile x: hidden cols [x * norm_cols, ...) of the embedding
     QKV = 2
-    ROUTER = 3  # tile x: router_logits of experts [x * router_rows, ...); the last one routes
+    ROUTER = 3  # tile x: router_logits of experts [x * router_rows, ...); the last one (the routing tile) routes
     ATTN = 4  # row x, kv head y, split z & 0xff of z >> 8; the pair's last split merges
     COMBINE = 5  # retired in v0.3, never emitted: the checker rejects it
     OPROJ = 6

@@ -10,9 +10,10 @@ the same bf16 roundings as the kernel's tasks (cuda/mk/op_*.cuh), v0.6 semantics
 block it wrote, and its readers (QKV, ROUTER, a dense GATE_UP, LM_HEAD) wait on all of the
 blocks' counters (wait_spans); every reader of the normed input but a sparse GATE_UP rounds and
 normalizes that sum itself, QKV and ROUTER up to POST_SCALED_MAX_BATCH rows by scaling their
-GEMV's outputs with each row's rms; ROUTER tiles write their shares of the normed input's
-image, which sparse GATE_UP tasks read, the last ROUTER tile to run routes the layer, DOWN
-weighs each pick's output by its routing weight, and an attention pair's last split to run
+GEMV's outputs with each row's rms; the layer's last ROUTER tile (the routing tile, which
+runs once the layer's other ROUTER tiles have run: the kernel's tile polls their logits) writes
+the normed input's image, which sparse GATE_UP tasks read, and routes the layer, DOWN weighs
+each pick's output by its routing weight, and an attention pair's last split to run
 merges its splits. Set beside the reference (megakernel_oracle) it checks what the schedule
 builder decides: tile sizes, attention splits, expert slots, the wiring of counters, the
 buffers each task reads and writes.
@@ -76,8 +77,7 @@ class _Step:
         # the residual entering layer l at resid[l % 3]: fp32 sums (Params::resid)
         self.resid = torch.zeros(3, B, c.hidden_size)
         self.router_logits = torch.zeros(B, c.num_experts)
-        self.route_ticket = 0  # ROUTER tiles of the layer finished
-        self.normed_image = torch.zeros(B, c.hidden_size)  # written by ROUTER tiles in 32-wide k blocks
+        self.normed_image = torch.zeros(B, c.hidden_size)  # written whole by the routing tile
         self.q = torch.zeros(B, c.q_size)
         self.part: dict[tuple[int, int, int], tuple] = {}  # (b, kv head, split) -> (acc [G, D], m [G], l [G])
         self.tickets = [[0] * c.num_kv_heads for _ in range(B)]  # finished splits per (row, kv head)
@@ -183,18 +183,14 @@ class _Step:
         self.trace.x[layer, :, r0:r1], self.trace.attn[layer + 1, :, r0:r1] = x, a
 
     def router(self, layer: int, tile: int) -> None:
-        """The tile's experts' logits (normed_gemv) and its share of the normed image; the last
-        tile routes the layer."""
+        """The tile's experts' logits (normed_gemv); the routing tile (the layer's last, run after
+        the others: execution_order) writes the normed image and routes the layer."""
         rows = self.plan["router_rows"]
         e0, e1 = tile * rows, min((tile + 1) * rows, self.c.num_experts)
         lw = self.w.layers[layer]
         self.router_logits[:, e0:e1] = self.normed_gemv(lw.norm, layer, lw.router[e0:e1])
-        tiles, blocks = self.plan["router_tiles"], self.c.hidden_size // 32
-        k0, k1 = 32 * (tile * blocks // tiles), 32 * ((tile + 1) * blocks // tiles)
-        self.normed_image[:, k0:k1] = self.normed(lw.norm, layer)[:, k0:k1]  # the exact image, either way
-        self.route_ticket += 1
-        if self.route_ticket == tiles:  # the last tile routes the layer
-            self.route_ticket = 0
+        if tile == self.plan["router_tiles"] - 1:
+            self.normed_image[:] = self.normed(lw.norm, layer)  # the exact image, either way
             self.route(layer)
 
     def route(self, layer: int) -> None:
@@ -320,11 +316,15 @@ class Lists:
 def execution_order(schedule: Schedule) -> list[tuple[int, int]]:
     """(sm, index into schedule.tasks) of every task but the DRAIN entries, in an order the
     kernel may run them: round-robin over the SMs, each running as far as its waits allow (a
-    task once every counter of its wait span, schedule.wait_spans(), reached its target), its
+    task once every counter of its wait span, schedule.wait_spans(), reached its target; a
+    layer's routing tile, its last ROUTER tile, once the layer's other ROUTER tiles ran), its
     list and claims walked as the kernel does (Lists). Deterministic. RuntimeError if no SM can
     make progress (a deadlock)."""
     tasks, num_sms = schedule.tasks, schedule.num_sms
     waits, targets, signals = (tasks[f].astype(int).tolist() for f in ("wait", "target", "signal"))
+    ops, layers, xs = (tasks[f].astype(int).tolist() for f in ("op", "layer", "x"))
+    routing_tile = schedule.plan.get("router_tiles", 0) - 1  # -1: no ROUTER tiles
+    routers_ran: dict[int, int] = {}  # per layer
     spans = schedule.wait_spans().tolist()
     num_queues = len(schedule.queue_offsets) - 1
     for sm in range(num_sms):
@@ -336,6 +336,8 @@ def execution_order(schedule: Schedule) -> list[tuple[int, int]]:
     order: list[tuple[int, int]] = []
 
     def ready(i: int) -> bool:
+        if ops[i] == Opcode.ROUTER and xs[i] == routing_tile and routers_ran.get(layers[i], 0) < routing_tile:
+            return False  # it polls the other tiles' logits
         return all(counters[c] >= targets[i] for c in range(waits[i], waits[i] + spans[i]))
 
     progressed = True
@@ -346,6 +348,8 @@ def execution_order(schedule: Schedule) -> list[tuple[int, int]]:
                 order.append((sm, i))
                 if signals[i] >= 0:
                     counters[signals[i]] += 1
+                if ops[i] == Opcode.ROUTER:
+                    routers_ran[layers[i]] = routers_ran.get(layers[i], 0) + 1
                 lists.ran(sm, i)
                 progressed = True
     stuck = [sm for sm in range(num_sms) if lists.cursor[sm] < lists.list_end[sm]]

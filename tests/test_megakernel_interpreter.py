@@ -198,7 +198,7 @@ def test_qkv_and_router_scale_by_the_rms_after_the_gemv_up_to_two_rows(small, ba
     expected = post if batch <= POST_SCALED_MAX_BATCH else pre
     assert torch.equal(step.q, q[expected])
     assert torch.equal(step.router_logits, logits[expected])
-    assert torch.equal(step.normed_image, h), "the ROUTER tiles write the exact normed image either way"
+    assert torch.equal(step.normed_image, h), "the routing tile writes the exact normed image either way"
 
 
 def test_norm_and_router_tasks_are_the_planned_tiles(small):
@@ -228,12 +228,52 @@ def test_a_retired_opcode_is_rejected(small, retired, replaced):
         run_schedule(config, weights, s, TOKENS, [c - 1 for c in CONTEXTS], tables, kv)
 
 
+def test_the_routing_tile_runs_after_its_layers_other_router_tiles(small):
+    config, _ = small
+    s = Schedule(config, 7, CONTEXTS)
+    seen: dict[int, int] = {}
+    routed = 0
+    for _, i in execution_order(s):
+        t = s.tasks[i]
+        if t["op"] != Opcode.ROUTER:
+            continue
+        layer = int(t["layer"])
+        if t["x"] == s.plan["router_tiles"] - 1:
+            assert seen.get(layer, 0) == s.plan["router_tiles"] - 1, f"layer {layer}'s routing tile ran early"
+            routed += 1
+        seen[layer] = seen.get(layer, 0) + 1
+    assert routed == sum(1 for layer in range(config.num_layers) if layer in seen)
+
+
+def swap_routing_tile_first(s: Schedule, layer: int) -> np.ndarray:
+    """The schedule's tasks with `layer`'s routing tile and its first ROUTER tile swapped: the
+    routing tile comes first in the queue, ahead of a tile whose logits it polls."""
+    tasks = s.tasks.copy()
+    routers = np.flatnonzero((tasks["op"] == Opcode.ROUTER) & (tasks["layer"] == layer))
+    first, last = routers[0], routers[-1]
+    assert tasks["x"][first] == 0 and tasks["x"][last] == s.plan["router_tiles"] - 1
+    tasks["x"][first], tasks["x"][last] = tasks["x"][last], tasks["x"][first]
+    return tasks
+
+
+def test_a_routing_tile_ahead_of_a_tile_it_polls_is_a_possible_deadlock(small):
+    config, _ = small
+    s = Schedule(config, 7, CONTEXTS)
+    tasks = swap_routing_tile_first(s, 2)
+    with pytest.raises(NativeError, match="deadlock possible under some claim order"):
+        check_schedule(config, s.plan, tasks, s.sm_offsets, s.queue_offsets)
+    one = Schedule(config, 1, CONTEXTS)  # one SM holds the routing tile it claimed: stuck for good
+    one.tasks = swap_routing_tile_first(one, 2)
+    with pytest.raises(RuntimeError, match="deadlock"):
+        execution_order(one)
+
+
 def tie_rule_top_k(logits: torch.Tensor, k: int) -> list[list[int]]:
     """Each row's k largest logits, ties to the lower id, listed in ascending id."""
     return [sorted(sorted(range(len(row)), key=lambda e: (-row[e], e))[:k]) for row in logits.tolist()]
 
 
-def test_the_last_router_tile_routes_as_the_reference_top_k_including_ties(small):
+def test_the_routing_tile_routes_as_the_reference_top_k_including_ties(small):
     config, weights = small
     layer, B, E, K = 2, len(CONTEXTS), config.num_experts, config.top_k
     s = Schedule(config, 40, CONTEXTS)
@@ -244,10 +284,13 @@ def test_the_last_router_tile_routes_as_the_reference_top_k_including_ties(small
     step.resid[layer % 3] = torch.randn(B, config.hidden_size, generator=gen)  # the layer's input sums
     routers = [t for t in s.tasks if t["op"] == Opcode.ROUTER and t["layer"] == layer]
     assert len(routers) > 1, "several ROUTER tiles"
-    for t in routers:
+    for t in routers[:-1]:
         step.run(t)
-    assert step.route_ticket == 0, "the last tile rezeroes the ticket"
-    assert torch.equal(step.normed_image, step.normed(weights.layers[layer].norm, layer)), "the tiles wrote all of h"
+    assert not step.normed_image.any(), "only the routing tile writes h"
+    assert step.trace.experts[layer].eq(-1).all(), "only the routing tile routes"
+    step.run(routers[-1])
+    assert step.trace.experts[layer].ge(0).all(), "the routing tile routed the layer"
+    assert torch.equal(step.normed_image, step.normed(weights.layers[layer].norm, layer)), "the routing tile wrote h"
     logits = rb(torch.randn(B, E, generator=gen))
     logits[0, [9, 4, 30]] = 3.0  # a three-way tie for two places: 4 and 9
     logits[1] = 0.5  # all tied: 0 and 1

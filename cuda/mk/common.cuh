@@ -79,6 +79,20 @@ __device__ __forceinline__ void st_release(uint32_t *p, uint32_t v) {
     asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
+// A word that carries its own tag (op_router's logit words): stored and polled with no fence.
+__device__ __forceinline__ void st_relaxed(uint32_t *p, uint32_t v) {
+    asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ uint32_t load_relaxed(const uint32_t *p) {
+    uint32_t v;
+    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// Before relaxed stores of the same thread, which it makes releases (a release pattern).
+__device__ __forceinline__ void fence_acq_rel() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+
 __device__ __forceinline__ uint32_t load_acquire(const uint32_t *p) {
     uint32_t v;
     asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -252,6 +266,7 @@ struct Kept {
     // GATE_UP or DOWN task of the layer; slots_layer: whose they are, -1 none.
     int slots_layer;
     int16_t slot_expert[NMK_MK_MAX_BATCH * kMaxTopK];
+    uint8_t slot_rows[NMK_MK_MAX_BATCH * kMaxTopK];  // bit b: row b picked the slot's expert
 };
 
 __device__ __forceinline__ Kept &kept(char *smem) { return *reinterpret_cast<Kept *>(smem + kTaskSmemBytes); }

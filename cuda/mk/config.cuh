@@ -45,6 +45,10 @@ __host__ __device__ constexpr int in_bytes(int K) { return K / 32 * kInBlockByte
 __host__ __device__ constexpr int slot_table_words(int top_k, int num_experts) {
     return NMK_MK_MAX_BATCH * top_k < num_experts ? NMK_MK_MAX_BATCH * top_k : num_experts;
 }
+// Words of a launch's routing table: the slot words, then the largest batch's router words.
+__host__ __device__ constexpr int route_table_words(int top_k, int num_experts) {
+    return slot_table_words(top_k, num_experts) + NMK_MK_MAX_BATCH * num_experts;
+}
 static_assert(NMK_MK_MAX_BATCH == 8, "GEMV inputs are the n = 8 columns of m16n8k16 tensor-core tiles");
 
 // Loops that run once per task or once per weight burst carry `#pragma unroll 1`: every SM
@@ -87,18 +91,18 @@ struct Params {
     // o-proj tiles add x + attn (rounded to bf16) into l + 1's and zero l + 2's, its DOWN tiles add
     // the weighted expert outputs; its readers round each sum to bf16 (the reference's residual).
     float *resid;
-    float *router_logits;  // [B, E]
-    uint32_t *route_ticket;  // ROUTER tiles of the layer finished; the last one routes and rezeroes
-    bf16 *normed_image;      // the layer's normed input as a GEMV image (in_bytes(H), in_offset): ROUTER
-                             // tiles write it, sparse GATE_UP tasks stage it by one bulk copy
+    bf16 *normed_image;      // the layer's normed input as a GEMV image (in_bytes(H), in_offset): the
+                             // routing ROUTER tile writes it, sparse GATE_UP tasks stage it by one bulk copy
     uint32_t *attn_ticket; // [B, kv_heads] finished splits; the last one merges and rezeroes
     float *q;          // [B, Q] rotated queries
     float *part;       // [B, kv_heads, MAX_SPLITS, group, head_dim + 2]: acc, max, sum
     bf16 *attn;        // [B, Q] as o-proj's GEMV input in shared memory (in_bytes(Q), in_offset)
-    int32_t *slot_expert;  // [slots] expert of each mlp slot (-1 unused) tagged with layer + 1 (op_mlp slot_expert_of)
-    int32_t *spare_slot_expert;  // [slots] the previous launch's table, which this one zeroes (the next one's)
-    int32_t *slot_k;       // [slots, B] which of the row's top-k picked this slot, -1 none
-    float *slot_w;         // [slots, B] that pick's routing weight (DOWN applies it)
+    // The launch's routing table (route_table_words): each mlp slot's word (op_router's slot_word:
+    // its expert, -1 unused, the rows that picked it, layer + 1), then router_words
+    int32_t *slot_expert;
+    // [B_max, E] the router's logits as words (layer + 1) << 16 | bf16 bits (op_router's logit_word)
+    uint32_t *router_words;
+    int32_t *spare_slot_expert;  // the previous launch's table, which this one zeroes (the next one's)
     bf16 *act;             // [slots] DOWN's GEMV input images, in_bytes(max(I, D)) each (op_mlp's act_image)
     float *lm_best;        // [B, lm_tiles]
     int32_t *lm_best_index;

@@ -168,9 +168,6 @@ void alloc_scratch(nmk_mk &mk, const nmk_mk_geometry &g) {
     const size_t slots = nmk::mk::slot_table_words(g.top_k, g.num_experts);
     const size_t group = g.num_heads / g.num_kv_heads;
     p.resid = device_alloc<float>(3 * B * H, mk.owned);
-    p.router_logits = device_alloc<float>(B * g.num_experts, mk.owned);
-    p.route_ticket = device_alloc<uint32_t>(1, mk.owned);
-    cuda_check(cudaMemset(p.route_ticket, 0, sizeof(uint32_t)), "zero the routing ticket");
     p.normed_image = device_alloc<bf16>(nmk::mk::in_bytes(static_cast<int>(H)) / sizeof(bf16), mk.owned);
     cuda_check(cudaMemset(p.normed_image, 0, nmk::mk::in_bytes(static_cast<int>(H))), "zero the normed image");
     p.attn_ticket = device_alloc<uint32_t>(B * g.num_kv_heads, mk.owned);
@@ -179,13 +176,12 @@ void alloc_scratch(nmk_mk &mk, const nmk_mk_geometry &g) {
     p.part = device_alloc<float>(B * g.num_kv_heads * NMK_MK_MAX_SPLITS * group * (g.head_dim + 2), mk.owned);
     p.attn = device_alloc<bf16>(nmk::mk::in_bytes(static_cast<int>(Q)) / sizeof(bf16), mk.owned);
     cuda_check(cudaMemset(p.attn, 0, nmk::mk::in_bytes(static_cast<int>(Q))), "zero attention output");
-    p.slot_expert = device_alloc<int32_t>(2 * slots, mk.owned);  // a table a launch, in turn (nmk_mk_step)
-    p.slot_k = device_alloc<int32_t>(slots * B, mk.owned);
-    p.slot_w = device_alloc<float>(slots * B, mk.owned);
+    const size_t table = nmk::mk::route_table_words(g.top_k, g.num_experts);
+    p.slot_expert = device_alloc<int32_t>(2 * table, mk.owned);  // a table a launch, in turn (nmk_mk_step)
     const size_t act_bytes = slots * nmk::mk::in_bytes(std::max(g.moe_inter, g.dense_inter));
     p.act = device_alloc<bf16>(act_bytes / sizeof(bf16), mk.owned);
     cuda_check(cudaMemset(p.act, 0, act_bytes), "zero activations");
-    cuda_check(cudaMemset(p.slot_expert, 0, 2 * slots * sizeof(int32_t)), "zero the slot tables (no layer's routing)");
+    cuda_check(cudaMemset(p.slot_expert, 0, 2 * table * sizeof(int32_t)), "zero the routing tables (no layer's)");
     p.lm_best = device_alloc<float>(B * (g.vocab / 8 + 1), mk.owned);
     p.lm_best_index = device_alloc<int32_t>(B * (g.vocab / 8 + 1), mk.owned);
 }
@@ -332,8 +328,9 @@ NMK_API nmk_status nmk_mk_step(nmk_mk *mk, const nmk_mk_step_args *a, void *stre
         const size_t set = static_cast<size_t>(s.plan.num_counters + s.plan.num_queues);
         p.counters = s.counters + (s.launches & 1) * set, p.spare_counters = s.counters + (~s.launches & 1) * set;
         int32_t *const tables = mk->params.slot_expert;
-        const size_t slots = nmk::mk::slot_table_words(p.top_k, p.num_experts);
-        p.slot_expert = tables + (mk->launches & 1) * slots, p.spare_slot_expert = tables + (~mk->launches & 1) * slots;
+        const size_t table = nmk::mk::route_table_words(p.top_k, p.num_experts);
+        p.slot_expert = tables + (mk->launches & 1) * table, p.spare_slot_expert = tables + (~mk->launches & 1) * table;
+        p.router_words = reinterpret_cast<uint32_t *>(p.slot_expert + nmk::mk::slot_table_words(p.top_k, p.num_experts));
         p.tokens = a->tokens;
         for (uint32_t r = 0; r < a->batch; r++) p.positions[r] = a->host_positions[r];
         for (int g = 0; g < NMK_KV_MAX_GROUPS; g++) p.tables[g] = a->block_tables[g];

@@ -17,22 +17,23 @@ __device__ __forceinline__ SlotWeights expert_weights(const Params &p, const Lay
     return {L.experts_gate_up + e * per, L.experts_down + e * per / 2, p.moe_inter};
 }
 
-// Slot y's expert in a sparse layer, as the layer's routing published it: route() stores each
-// slot's word as its expert (low 16 bits) tagged with layer + 1 (high 16 bits), by a release
-// store, so a GATE_UP task polls the table itself instead of the routing's counter and then the
-// table (one L2 round trip fewer before its weights stream); the next launch zeroes the words
-// (launches take two tables in turn: vm.cuh's megakernel). The CTA's first GATE_UP or DOWN task
-// of the layer loads the table into Kept; its later tasks of the layer read it there. DOWN runs
-// after its slot's GATE_UP, and the next layer's routing after every DOWN of this one, so the
-// table is the layer's for as long as a task of the layer reads it.
+// Slot y's expert in a sparse layer, as the layer's routing published it: the routing tile stores
+// each slot's word (op_router's slot_word: its expert, the rows that picked it, layer + 1) by a
+// release store, so a GATE_UP task polls the table itself instead of the routing's counter and
+// then the table (one L2 round trip fewer before its weights stream); the next launch zeroes the
+// words (launches take two tables in turn: vm.cuh's megakernel). The CTA's first GATE_UP or DOWN
+// task of the layer loads the table into Kept; its later tasks of the layer read it there. DOWN
+// runs after its slot's GATE_UP, and the next layer's routing after every DOWN of this one, so
+// the table is the layer's for as long as a task of the layer reads it.
 __device__ __forceinline__ int slot_expert_of(const Params &p, int layer, int y, char *smem) {
     Kept &k = kept(smem);
     if (k.slots_layer != layer) {  // every thread reads the same Kept
         if (threadIdx.x < p.plan.expert_slots) {
             const uint32_t *word = reinterpret_cast<const uint32_t *>(p.slot_expert) + threadIdx.x;
             uint32_t v;
-            while (((v = load_acquire(word)) >> 16) != (uint32_t)layer + 1) __nanosleep(20);
+            while (((v = load_acquire(word)) >> 24) != (uint32_t)layer + 1) __nanosleep(20);
             k.slot_expert[threadIdx.x] = static_cast<int16_t>(v & 0xffffu);
+            k.slot_rows[threadIdx.x] = static_cast<uint8_t>(v >> 16);
         }
         __syncthreads();
         if (threadIdx.x == 0) k.slots_layer = layer;  // every thread has read it: the barrier above
@@ -91,9 +92,17 @@ __device__ void run_down(const Params &p, int layer, int tile, int y, char *smem
     GemvSmem s(smem, w.inter, rows);
     int *ks = reinterpret_cast<int *>(s.extra);
     float *kw = reinterpret_cast<float *>(ks + B);  // the rows' routing weights of the slot (dense: 1)
-    if (threadIdx.x < B) {
-        ks[threadIdx.x] = L.dense ? 0 : load_l2(p.slot_k + y * B + threadIdx.x);
-        kw[threadIdx.x] = L.dense ? 1.f : load_l2(p.slot_w + y * B + threadIdx.x);
+    if (threadIdx.x < B) {  // whether row b picked the slot's expert, and the pick's weight
+        const int b = threadIdx.x;
+        const bool picked = L.dense || (kept(smem).slot_rows[y] >> b & 1);
+        float weight = L.dense ? 1.f : 0.f;
+        if (!L.dense && picked) {  // the logit's word (op_router's logit_word), polled for the layer's
+            const uint32_t *word = p.router_words + b * p.num_experts + kept(smem).slot_expert[y];
+            uint32_t v;
+            while (((v = load_relaxed(word)) >> 16) != (uint32_t)layer + 1) __nanosleep(20);
+            weight = round_bf16(1.f / (1.f + expf(-__uint_as_float(v << 16))));
+        }
+        ks[b] = picked ? 0 : -1, kw[b] = weight;
     }
     const ImageCopy copy = stage_image(smem, s.in, reinterpret_cast<const bf16 *>(act_image(p, y)), in_bytes(w.inter));
     const bf16 *W = w.down + (size_t)r0 * w.inter;

@@ -243,10 +243,10 @@ __global__ void __launch_bounds__(kThreads, 1) megakernel(const __grid_constant_
     }
     // The spare set: the counters, claim heads and slot table that the previous launch used and
     // the next one takes, zeroed here by every thread a word (nothing of this launch reads them).
-    const int words = p.plan.num_counters + p.plan.num_queues, slots = slot_table_words(p.top_k, p.num_experts);
+    const int words = p.plan.num_counters + p.plan.num_queues, slots = route_table_words(p.top_k, p.num_experts);
     for (int i = blockIdx.x * kThreads + threadIdx.x; i < words + slots; i += gridDim.x * kThreads) {
         if (i < words) p.spare_counters[i] = 0;
-        else p.spare_slot_expert[i - words] = 0;  // no layer's routing
+        else p.spare_slot_expert[i - words] = 0;  // no layer's routing or logits
     }
     __syncthreads();
     run_list<B>(p, smem);

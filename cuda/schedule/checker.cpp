@@ -14,8 +14,9 @@ namespace {
 // Buffers of the step that stages share; each stage's reads, writes and adds. RES0..2: the
 // residual sums, layer l's input in RES(l % 3), which layer l's o-proj and DOWN tiles add into
 // for layer l + 1 (adds commute: two stages adding into one buffer need no order between them)
-// and whose o-proj tiles zero for layer l + 2; NIMG: the normed input's image that ROUTER tiles
-// write for the sparse GATE_UP tasks; ROUTE: the routing that the last ROUTER tile publishes.
+// and whose o-proj tiles zero for layer l + 2; NIMG: the normed input's image that a layer's
+// routing tile (its last ROUTER tile) writes for the sparse GATE_UP tasks; ROUTE: the routing that
+// the routing tile publishes.
 enum Buffer : unsigned { RES0 = 1, RES1 = 2, RES2 = 4, Q = 8, PART = 16, ATTN = 32, RLOGITS = 64, ROUTE = 128,
                          ACT = 256, LOGITS = 1024, TOKENS = 2048, NIMG = 4096 };
 unsigned res(int l) { return RES0 << (l % 3); }
@@ -366,7 +367,14 @@ void check_acyclic(const Geometry &g, const nmk_plan &p, const View &v) {
     n += p.num_counters;
     std::vector<std::vector<int>> out(n), in(n);
     auto edge = [&](int a, int b) { out[a].push_back(b), in[b].push_back(a); };
+    // (v): each layer's routing tile (its ROUTER tile x = router_tiles - 1) and its other tiles
+    std::map<int, int> routing_node;
+    std::map<int, std::vector<int>> router_nodes;
     auto task_edges = [&](int node, const nmk_task &t) {
+        if (t.op == NMK_OP_ROUTER) {
+            if (t.x == p.router_tiles - 1) routing_node[t.layer] = node;
+            else router_nodes[t.layer].push_back(node);
+        }
         for (int c : waited(g, t)) edge(counter_base + c, node);
         if (t.signal >= 0) edge(node, counter_base + t.signal);
     };
@@ -387,6 +395,9 @@ void check_acyclic(const Geometry &g, const nmk_plan &p, const View &v) {
             if (i) edge(node - 1, node);
             task_edges(node, v.queues[q][i]);
         }
+    for (const auto &[layer, nodes] : router_nodes)
+        if (auto it = routing_node.find(layer); it != routing_node.end())
+            for (int u : nodes) edge(u, it->second);
     // Kahn's order; whatever it cannot reach lies on or behind a cycle.
     std::vector<int> pending(n), ready;
     for (int u = 0; u < n; u++)
@@ -459,13 +470,18 @@ void check_progress(const Geometry &g, const nmk_plan &p, const View &v) {
     std::vector<uint32_t> counters(p.num_counters, 0);
     std::vector<size_t> next(v.per_sm.size(), 0), head(v.queues.size(), 0);
     std::vector<long> held(v.per_sm.size(), -1);  // claimed task of the queue the SM drains
+    std::map<int, int> routers_done;                 // per layer: its ROUTER tiles finished
     auto runnable = [&](const nmk_task &t) {
+        // a layer's routing tile polls its other ROUTER tiles' logits
+        if (t.op == NMK_OP_ROUTER && t.x == p.router_tiles - 1 && routers_done[t.layer] < p.router_tiles - 1)
+            return false;
         for (int c : waited(g, t))
             if (counters[c] < t.target) return false;
         return true;
     };
     auto finish = [&](const nmk_task &t) {
         if (t.signal >= 0) counters[t.signal]++;
+        if (t.op == NMK_OP_ROUTER) routers_done[t.layer]++;
     };
     for (bool moved = true; moved;) {
         moved = false;

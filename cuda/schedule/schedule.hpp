@@ -98,7 +98,8 @@ Schedule build(const Geometry &g, int num_sms, const std::vector<int> &context_l
 //    tasks of a queue; (iii) in each list, the entry before DRAIN(q) -> q's first task and
 //    q's last task -> DRAIN(q) (the list runs all of q in place of DRAIN(q)); (iv) every
 //    signaller of a counter -> every task that waits on it (on any counter of its group,
-//    for a block waiter). Why it suffices: in a stuck
+//    for a block waiter); (v) every other ROUTER tile of a layer -> its routing tile (the
+//    last, which polls their logits: no counter carries that wait). Why it suffices: in a stuck
 //    state, a CTA waits on an unfinished signaller, a list entry on the one before it, an
 //    unclaimed queue task on every CTA (none has passed DRAIN(q): each is stuck before it,
 //    or at it holding an earlier task of q), a task claimed ahead on its CTA's current one
