@@ -271,6 +271,22 @@ struct Kept {
 
 __device__ __forceinline__ Kept &kept(char *smem) { return *reinterpret_cast<Kept *>(smem + kTaskSmemBytes); }
 
+// The words of a launch's routing table (Params::slot_expert, router_words), each its own flag:
+// a word of an earlier layer, or 0 (the table zeroed by the launch before), never matches.
+// A router logit's word: layer + 1 above the value's bf16 bits (op_router's tiles store them).
+__device__ __forceinline__ uint32_t logit_word(int layer, float v) {
+    return ((uint32_t)layer + 1) << 16 | __float_as_uint(v) >> 16;
+}
+__device__ __forceinline__ bool logit_word_of(uint32_t w, int layer) { return w >> 16 == (uint32_t)layer + 1; }
+__device__ __forceinline__ float logit_of(uint32_t w) { return __uint_as_float(w << 16); }
+// Slot y's word: its expert's low 16 bits (-1: none), the rows that picked it (bit b: row b),
+// layer + 1 above them (op_router's routing tile stores them, op_mlp's slot_expert_of reads them).
+__device__ __forceinline__ uint32_t slot_word(int layer, int expert, uint32_t rows) {
+    return ((uint32_t)layer + 1) << 24 | rows << 16 | ((uint32_t)expert & 0xffffu);
+}
+__device__ __forceinline__ bool slot_word_of(uint32_t w, int layer) { return w >> 24 == (uint32_t)layer + 1; }
+static_assert(kMaxLayers < 255 && NMK_MK_MAX_BATCH <= 8, "a slot word's layer and rows fit in its 16 high bits");
+
 // Thread 0, once per launch (a barrier must follow before any other use of the CTA's Kept).
 __device__ __forceinline__ void kept_init(char *smem) {
     Kept &k = kept(smem);

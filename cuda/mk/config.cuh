@@ -97,10 +97,10 @@ struct Params {
     float *q;          // [B, Q] rotated queries
     float *part;       // [B, kv_heads, MAX_SPLITS, group, head_dim + 2]: acc, max, sum
     bf16 *attn;        // [B, Q] as o-proj's GEMV input in shared memory (in_bytes(Q), in_offset)
-    // The launch's routing table (route_table_words): each mlp slot's word (op_router's slot_word:
+    // The launch's routing table (route_table_words): each mlp slot's word (common.cuh's slot_word:
     // its expert, -1 unused, the rows that picked it, layer + 1), then router_words
     int32_t *slot_expert;
-    // [B_max, E] the router's logits as words (layer + 1) << 16 | bf16 bits (op_router's logit_word)
+    // [B_max, E] the router's logits as words (layer + 1) << 16 | bf16 bits (common.cuh's logit_word)
     uint32_t *router_words;
     int32_t *spare_slot_expert;  // the previous launch's table, which this one zeroes (the next one's)
     bf16 *act;             // [slots] DOWN's GEMV input images, in_bytes(max(I, D)) each (op_mlp's act_image)

@@ -18,7 +18,7 @@ __device__ __forceinline__ SlotWeights expert_weights(const Params &p, const Lay
 }
 
 // Slot y's expert in a sparse layer, as the layer's routing published it: the routing tile stores
-// each slot's word (op_router's slot_word: its expert, the rows that picked it, layer + 1) by a
+// each slot's word (slot_word: its expert, the rows that picked it, layer + 1) by a
 // release store, so a GATE_UP task polls the table itself instead of the routing's counter and
 // then the table (one L2 round trip fewer before its weights stream); the next launch zeroes the
 // words (launches take two tables in turn: vm.cuh's megakernel). The CTA's first GATE_UP or DOWN
@@ -31,7 +31,7 @@ __device__ __forceinline__ int slot_expert_of(const Params &p, int layer, int y,
         if (threadIdx.x < p.plan.expert_slots) {
             const uint32_t *word = reinterpret_cast<const uint32_t *>(p.slot_expert) + threadIdx.x;
             uint32_t v;
-            while (((v = load_acquire(word)) >> 24) != (uint32_t)layer + 1) __nanosleep(20);
+            while (!slot_word_of(v = load_acquire(word), layer)) __nanosleep(20);
             k.slot_expert[threadIdx.x] = static_cast<int16_t>(v & 0xffffu);
             k.slot_rows[threadIdx.x] = static_cast<uint8_t>(v >> 16);
         }
@@ -96,11 +96,11 @@ __device__ void run_down(const Params &p, int layer, int tile, int y, char *smem
         const int b = threadIdx.x;
         const bool picked = L.dense || (kept(smem).slot_rows[y] >> b & 1);
         float weight = L.dense ? 1.f : 0.f;
-        if (!L.dense && picked) {  // the logit's word (op_router's logit_word), polled for the layer's
+        if (!L.dense && picked) {  // the logit's word (logit_word), polled for the layer's
             const uint32_t *word = p.router_words + b * p.num_experts + kept(smem).slot_expert[y];
             uint32_t v;
-            while (((v = load_relaxed(word)) >> 16) != (uint32_t)layer + 1) __nanosleep(20);
-            weight = round_bf16(1.f / (1.f + expf(-__uint_as_float(v << 16))));
+            while (!logit_word_of(v = load_relaxed(word), layer)) __nanosleep(20);
+            weight = round_bf16(1.f / (1.f + expf(-logit_of(v))));
         }
         ks[b] = picked ? 0 : -1, kw[b] = weight;
     }

@@ -38,18 +38,6 @@ static_assert(kTaskSmemBytes + sizeof(Kept) + sizeof(Routing) <= kSmemBytes, "th
 constexpr int kFirstPublisher = kThreads - 64;
 static_assert(NMK_MK_MAX_BATCH * kMaxTopK <= 64 && kFirstPublisher >= 0, "a publishing thread per slot");
 
-// A router logit's word: layer + 1 above the value's bf16 bits (0: no layer's; the launch's
-// table is zeroed by the launch before it).
-__device__ __forceinline__ uint32_t logit_word(int layer, float v) {
-    return ((uint32_t)layer + 1) << 16 | __float_as_uint(v) >> 16;
-}
-// Slot y's word: its expert's low 16 bits, the rows that picked it (bit b: row b), layer + 1
-// above them.
-__device__ __forceinline__ uint32_t slot_word(int layer, int expert, uint32_t rows) {
-    return ((uint32_t)layer + 1) << 24 | rows << 16 | ((uint32_t)expert & 0xffffu);
-}
-static_assert(kMaxLayers < 255 && NMK_MK_MAX_BATCH <= 8, "a slot word's layer and rows fit in its 16 high bits");
-
 // The routing of `layer` from every tile's logit words (polled here), computed in shared memory
 // past Kept and published for the layer's GATE_UP and DOWN tasks.
 template <int B>
@@ -69,21 +57,21 @@ __device__ void route(const Params &p, int layer, char *smem) {
     // orders them as `better` does: the logit's 16 bits made monotonic (-0 as +0), then
     // 0xffff - id; one redux.sync per pick.
     if (warp < B) {
-        const uint32_t tag = logit_word(layer, 0.f) & 0xffff0000u;
         const uint32_t *row = p.router_words + warp * E;
         uint32_t word[4];
         for (bool done = false; !done;) {
 #pragma unroll
-            for (int i = 0; i < 4; i++) word[i] = lane + 32 * i < E ? load_relaxed(row + lane + 32 * i) : tag;
+            for (int i = 0; i < 4; i++)
+                word[i] = lane + 32 * i < E ? load_relaxed(row + lane + 32 * i) : logit_word(layer, 0.f);
             done = true;
 #pragma unroll
-            for (int i = 0; i < 4; i++) done &= (word[i] & 0xffff0000u) == tag;
+            for (int i = 0; i < 4; i++) done &= logit_word_of(word[i], layer);
         }
         uint32_t key[4];
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             const int e = lane + 32 * i;
-            const uint32_t bits = __float_as_uint(__uint_as_float(word[i] << 16) + 0.f);
+            const uint32_t bits = __float_as_uint(logit_of(word[i]) + 0.f);
             const uint32_t ordered = (bits & 0x80000000u ? ~bits : bits | 0x80000000u) >> 16;
             key[i] = e < E ? ordered << 16 | (0xffffu - e) : 0u;  // real keys are > 0
         }
@@ -179,7 +167,7 @@ __device__ void run_router(const Params &p, int layer, int tile, char *smem, con
     if constexpr (B <= kStagedMaxBatch) {
         // the exact normed image (store_normed_chunk), from the stash
 #pragma unroll 1
-        for (int c = threadIdx.x; c < H / 8; c += kThreads) {
+        for (int c = threadIdx.x; c < chunks; c += kThreads) {
             float4 xa[B], xb[B];
             uint4 w;
 #pragma unroll
