@@ -93,9 +93,12 @@ int splits_for(int keys, int page_size, int pages_per_split) {
 // longer contexts attention's share grows, so that the splits end about when the experts do
 // (benchmarks/NOTES.md, session 26). And at least
 // kMinSplitPages: a split's fixed work (its first page's round trips, queries, partials,
-// ticket, signal: ~6.5 us at batch 1) is worth ~9 pages of its loop (0.74 us a page), and at
-// batch 1 the layer is bound by its SMs' summed time, not by attention's chain (12 pages: 1.2%
-// shorter layers than 8; benchmarks/NOTES.md, session 14).
+// ticket, signal: ~6.5 us at batch 1) is worth ~9 pages of its loop (0.74 us a page), so the
+// SMs' summed time favours long splits, and attention's chain (QKV, the splits, the merge,
+// o-proj), which ends the layer at batch 1, favours short ones. 12 pages from session 14 (10
+// level in session 37); 10 since the routing got shorter and attention's chain with it holds
+// the layer (session 51: batch 1 +0.6% against 12, 8, 9 and 11 +0.3-0.5%, 14 -0.9%;
+// benchmarks/NOTES.md).
 int pages_per_split(const Geometry &g, const nmk_plan &p, int num_sms, const std::vector<int> &lens, int layer) {
     constexpr double kBf16 = 2;  // bytes
     int work = 0;  // (page, kv head) pairs

@@ -33,7 +33,7 @@ constexpr int kRouterRows = 16;
 constexpr int kMaxQkvRows = 128, kMaxOprojRows = 128, kMaxCols = 128, kMaxDenseDownRows = 128;
 constexpr int kMaxMoeDownRows = 256, kMaxLmRows = 512;
 constexpr int kMaxGemvInput = 4096;  // widest input [8, K] bf16 a GEMV stages
-constexpr int kMinSplitPages = 12;   // an attention split covers at least this many pages
+constexpr int kMinSplitPages = 10;   // an attention split covers at least this many pages
 // A layer's input has a counter per block of kBlockCols hidden columns (hidden % 256 == 0).
 constexpr int kBlockCols = NMK_MK_BLOCK_COLS;
 

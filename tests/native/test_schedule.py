@@ -203,14 +203,14 @@ def test_longer_rows_get_more_attention_splits_and_short_rows_one():
         assert sorted(pair["z"] & 0xFF) == list(range(n)), "each pair has all its splits, the last one merges"
 
 
-def test_a_short_row_gets_attention_splits_of_about_twelve_pages():
+def test_a_short_row_gets_attention_splits_of_about_ten_pages():
     # One row of 8192 keys over 132 SMs: 128 pages per kv head over half the SMs would give
     # 8-page splits, and a split's fixed work (queries, partials, ticket) is worth ~9 pages:
-    # at most ceil(pages / 12) splits: 11 of 11 or 12 pages (6 of 10 or 11 in the window).
+    # at most ceil(pages / 10) splits: 13 of 9 or 10 pages (7 of 9 or 10 in the window).
     s = Schedule(north(num_layers=8), 132, [8192])
     attn = s.tasks[s.tasks["op"] == Opcode.ATTN]
-    assert set((attn[attn["layer"] == 4]["z"] >> 8).tolist()) == {11}
-    assert set((attn[attn["layer"] == 5]["z"] >> 8).tolist()) == {6}  # the 4096-key window
+    assert set((attn[attn["layer"] == 4]["z"] >> 8).tolist()) == {13}
+    assert set((attn[attn["layer"] == 5]["z"] >> 8).tolist()) == {7}  # the 4096-key window
     # Rows enough to fill half the SMs get longer splits (the other half streams experts): 8
     # rows x 4 kv heads x 128 pages over 66 SMs is 63 pages a split, 3 splits a pair (96
     # tasks); the window's 64 pages 32 a split, 2 (64 tasks).
@@ -233,7 +233,7 @@ def test_long_rows_give_attention_a_share_of_the_sms_by_its_bytes():
     assert splits([32768], 4) == (64, {16})
     assert splits([65536], 4) == (84, {21})
     assert splits([131072], 4) == (104, {26})
-    assert splits([131072], 5) == splits([8192], 5) == (24, {6})
+    assert splits([131072], 5) == splits([8192], 5) == (28, {7})
     # 8 rows (64 slots, 604 MB): at 65536 keys (1.07 GB) the share, 84 SMs, still rounds to 3 splits
     # a pair (96) as half the SMs does; at 131072, 103 SMs, to 4 (128).
     assert splits([65536] * 8, 4) == (96, {3})
