@@ -22,7 +22,7 @@ constexpr int kMaxLayers = 128;     // the layer table travels in the kernel's p
 // Attention's KV pages in flight per SM (op_attention.cuh), by the kernel's batch size: 4 from
 // batch 2 on, where attention's splits are longer (batch 8 +0.9% in session 30, batch 2 +0.3%
 // in session 31); 3 at batch 1, where the larger shared memory's smaller L1 costs the GEMVs more
-// than attention gains (-0.7%; benchmarks/NOTES.md).
+// than attention gains (-0.7% in session 31, -1.0% in session 51; benchmarks/NOTES.md).
 __host__ __device__ constexpr int attn_slots(int batch) { return batch >= 2 ? 4 : 3; }
 // A task's shared-memory scratch (common.cuh): the widest GEMV's, or attention's ring and state.
 __host__ __device__ constexpr int task_smem_bytes(int batch) { return attn_slots(batch) > 3 ? 136 * 1024 : 123 * 1024; }
