@@ -97,7 +97,7 @@ int splits_for(int keys, int page_size, int pages_per_split) {
 // SMs' summed time favours long splits, and attention's chain (QKV, the splits, the merge,
 // o-proj), which ends the layer at batch 1, favours short ones. 12 pages from session 14 (10
 // level in session 37); 10 since the routing got shorter and attention's chain with it holds
-// the layer (session 51: batch 1 +0.6% against 12, 8, 9 and 11 +0.3-0.5%, 14 -0.9%;
+// the layer (session 51, batch 1 against 12: 10 +0.6%, 8, 9 and 11 +0.3-0.5%, 14 -0.9%;
 // benchmarks/NOTES.md).
 int pages_per_split(const Geometry &g, const nmk_plan &p, int num_sms, const std::vector<int> &lens, int layer) {
     constexpr double kBf16 = 2;  // bytes
