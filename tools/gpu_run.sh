@@ -10,6 +10,7 @@
 #               run as they are
 #   DIAG=1      per-layer divergence of full-geometry steps (tools/mk_diagnose.py)
 #   TESTS=1     the GPU tests (pytest -k "$1")        BENCH=1  the decode benchmark (args after $1)
+#               (both on when no stage is named; naming any stage runs only the stages named)
 #   SERVER=1    the server's API tests with the engine on the GPU (the tiny model: PyTorch backend)
 #   MOE=1       tools/moe_bench.py: one sparse layer's experts in the PyTorch prefill, row-major (torch's
 #               grouped GEMM) against the tiled layout (Triton), into $OUT
@@ -39,7 +40,13 @@
 # The wheels the image lacks come from tools/fetch_wheels.sh (carry .whl).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
-SANITIZE=${SANITIZE:-0} SANITIZE_FULL=${SANITIZE_FULL:-0} DIAG=${DIAG:-0} TESTS=${TESTS:-1} BENCH=${BENCH:-1} SERVER=${SERVER:-0} PEER=${PEER:-0}
+# TESTS and BENCH run unless some stage is switched on: `ENGINE=1 tools/gpu_run.sh` runs the
+# engine's benchmark alone, `SANITIZE=1 TESTS=1 BENCH=1 ...` all three.
+stages=(SANITIZE SANITIZE_FULL DIAG TESTS BENCH SERVER PEER NCU ENGINE MOE GEMV EXECUTOR CLUSTER LOCKSTEP)
+named=0
+for stage in "${stages[@]}"; do [ "${!stage:-0}" = 1 ] && named=1; done
+SANITIZE=${SANITIZE:-0} SANITIZE_FULL=${SANITIZE_FULL:-0} DIAG=${DIAG:-0} SERVER=${SERVER:-0} PEER=${PEER:-0}
+TESTS=${TESTS:-$((1 - named))} BENCH=${BENCH:-$((1 - named))}
 NCU=${NCU:-0} ENGINE=${ENGINE:-0} MOE=${MOE:-0}
 GEMV=${GEMV:-0} EXECUTOR=${EXECUTOR:-0} CLUSTER=${CLUSTER:-0} LOCKSTEP=${LOCKSTEP:-0}
 mkdir -p "$OUT"
