@@ -11,6 +11,7 @@
 #   DIAG=1      per-layer divergence of full-geometry steps (tools/mk_diagnose.py)
 #   TESTS=1     the GPU tests (pytest -k "$1")        BENCH=1  the decode benchmark (args after $1)
 #               (both on when no stage is named; naming any stage runs only the stages named)
+#   DRY_RUN=1   print the stages the call would run and stop (before the wheels and the build)
 #   SERVER=1    the server's API tests with the engine on the GPU (the tiny model: PyTorch backend)
 #   MOE=1       tools/moe_bench.py: one sparse layer's experts in the PyTorch prefill, row-major (torch's
 #               grouped GEMM) against the tiled layout (Triton), into $OUT
@@ -40,15 +41,16 @@
 # The wheels the image lacks come from tools/fetch_wheels.sh (carry .whl).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
-# TESTS and BENCH run unless some stage is switched on: `ENGINE=1 tools/gpu_run.sh` runs the
-# engine's benchmark alone, `SANITIZE=1 TESTS=1 BENCH=1 ...` all three.
-stages=(SANITIZE SANITIZE_FULL DIAG TESTS BENCH SERVER PEER NCU ENGINE MOE GEMV EXECUTOR CLUSTER LOCKSTEP)
+# Every stage is off unless set to 1, but TESTS and BENCH, which are on when no stage is named.
+stages=(SANITIZE SANITIZE_FULL DIAG SERVER PEER NCU ENGINE MOE GEMV EXECUTOR CLUSTER LOCKSTEP TESTS BENCH)
 named=0
 for stage in "${stages[@]}"; do [ "${!stage:-0}" = 1 ] && named=1; done
-SANITIZE=${SANITIZE:-0} SANITIZE_FULL=${SANITIZE_FULL:-0} DIAG=${DIAG:-0} SERVER=${SERVER:-0} PEER=${PEER:-0}
 TESTS=${TESTS:-$((1 - named))} BENCH=${BENCH:-$((1 - named))}
-NCU=${NCU:-0} ENGINE=${ENGINE:-0} MOE=${MOE:-0}
-GEMV=${GEMV:-0} EXECUTOR=${EXECUTOR:-0} CLUSTER=${CLUSTER:-0} LOCKSTEP=${LOCKSTEP:-0}
+for stage in "${stages[@]}"; do printf -v "$stage" '%s' "${!stage:-0}"; done
+if [ "${DRY_RUN:-0}" = 1 ]; then  # the stages this call would run, and nothing else
+  for stage in "${stages[@]}"; do [ "${!stage}" = 1 ] && echo "$stage"; done
+  exit 0
+fi
 mkdir -p "$OUT"
 # The bench measures the peer itself at every batch unless told --no-peer (minutes more): with
 # PEER=1 as well the peer runs twice, and a device call's limit can cut the stages after it.
