@@ -1,14 +1,15 @@
 """tools/gpu_run.sh's choice of stages (DRY_RUN=1 prints them and stops before the wheels and the
 build): the tests and the bench when no stage is named, only the named ones otherwise."""
 import os
+import re
 import subprocess
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ["SANITIZE", "SANITIZE_FULL", "DIAG", "SERVER", "PEER", "NCU", "ENGINE", "MOE", "GEMV", "EXECUTOR",
-          "CLUSTER", "LOCKSTEP", "TESTS", "BENCH"]
+# The script's own list of stages (its `stages=(...)` line), so that a stage it adds is cleared too.
+STAGES = re.search(r"^stages=\(([^)]*)\)", (ROOT / "tools/gpu_run.sh").read_text(), re.M).group(1).split()
 
 
 def stages(**env: str) -> list[str]:
