@@ -93,7 +93,8 @@ int splits_for(int keys, int page_size, int pages_per_split) {
 // longer contexts attention's share grows, so that the splits end about when the experts do
 // (benchmarks/NOTES.md, session 26). And at least
 // kMinSplitPages: a split's fixed work (its first page's round trips, queries, partials,
-// ticket, signal: ~6.5 us at batch 1) is worth ~9 pages of its loop (0.74 us a page), so the
+// ticket, signal: ~6.5 us at batch 1 in session 14; ~1.7 us past its bytes' time at 30 GB/s an
+// SM in session 53) is worth several pages of its loop (0.74 us a page in session 14), so the
 // SMs' summed time favours long splits, and attention's chain (QKV, the splits, the merge,
 // o-proj), which ends the layer at batch 1, favours short ones. 12 pages from session 14 (10
 // level in session 37); 10 since the routing got shorter and attention's chain with it holds
